@@ -1,0 +1,175 @@
+"""Small helpers to read QuantizeLinear/DequantizeLinear parameters from an onnx-ir graph."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+QUANTIZE = "QuantizeLinear"
+DEQUANTIZE = "DequantizeLinear"
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+# Integer ranges of the quantized types the rules understand. Other types (float8, ...) are
+# left untouched by every rule, which then refuses with a reason.
+INTEGER_RANGES: dict[ir.DataType, tuple[int, int]] = {
+    ir.DataType.UINT8: (0, 255),
+    ir.DataType.INT8: (-128, 127),
+    ir.DataType.UINT16: (0, 65535),
+    ir.DataType.INT16: (-32768, 32767),
+    ir.DataType.UINT4: (0, 15),
+    ir.DataType.INT4: (-8, 7),
+}
+EIGHT_BIT = (ir.DataType.UINT8, ir.DataType.INT8)
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
+def is_op(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in _DEFAULT_DOMAINS
+
+
+def is_quantize(node: ir.Node | None) -> bool:
+    return is_op(node, QUANTIZE)
+
+
+def is_dequantize(node: ir.Node | None) -> bool:
+    return is_op(node, DEQUANTIZE)
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The constant value of ``value`` as numpy (initializer or Constant node), else None."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return None
+    return tensor.numpy()
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantParams:
+    """Scale, zero point and quantized type of one Q or DQ node (constants only)."""
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    dtype: ir.DataType
+    axis: int
+    block_size: int
+
+    @property
+    def is_per_tensor(self) -> bool:
+        return self.scale.size == 1 and self.zero_point.size == 1 and self.block_size == 0
+
+    @property
+    def qmin(self) -> int:
+        return INTEGER_RANGES[self.dtype][0]
+
+    @property
+    def qmax(self) -> int:
+        return INTEGER_RANGES[self.dtype][1]
+
+    @property
+    def scalar_scale(self) -> float:
+        return float(self.scale.reshape(-1)[0])
+
+    @property
+    def scalar_zero_point(self) -> int:
+        return int(self.zero_point.astype(np.int64).reshape(-1)[0])
+
+    def same_as(self, other: QuantParams) -> bool:
+        return (
+            self.dtype == other.dtype
+            and self.scale.shape == other.scale.shape
+            and np.array_equal(self.scale, other.scale)
+            and np.array_equal(
+                self.zero_point.astype(np.int64), other.zero_point.astype(np.int64)
+            )
+            and self.axis == other.axis
+            and self.block_size == other.block_size
+        )
+
+    def describe(self) -> str:
+        if self.is_per_tensor:
+            return f"{self.dtype.name.lower()} s={self.scalar_scale:.6g} zp={self.scalar_zero_point}"
+        return f"{self.dtype.name.lower()} per-axis({self.axis}) x{self.scale.size}"
+
+
+def _quantized_dtype(node: ir.Node) -> ir.DataType | None:
+    zp = node.inputs[2] if len(node.inputs) > 2 else None
+    if zp is not None and zp.dtype is not None:
+        return zp.dtype
+    if is_quantize(node):
+        output_dtype = node.attributes.get_int("output_dtype", 0)
+        if output_dtype:
+            return ir.DataType(output_dtype)
+        return ir.DataType.UINT8
+    # DQ without zero point: the type is the type of its input.
+    return node.inputs[0].dtype if node.inputs[0] is not None else None
+
+
+def quant_params(node: ir.Node) -> QuantParams | None:
+    """Parameters of a Q/DQ node, or None when the scale or zero point is not a constant."""
+    if not (is_quantize(node) or is_dequantize(node)) or len(node.inputs) < 2:
+        return None
+    scale = const_array(node.inputs[1])
+    if scale is None:
+        return None
+    dtype = _quantized_dtype(node)
+    if dtype is None:
+        return None
+    zp_value = node.inputs[2] if len(node.inputs) > 2 else None
+    if zp_value is None:
+        zero_point = np.zeros(scale.shape, dtype=dtype.numpy())
+    else:
+        zero_point = const_array(zp_value)
+        if zero_point is None:
+            return None
+    return QuantParams(
+        scale=scale,
+        zero_point=zero_point,
+        dtype=dtype,
+        axis=node.attributes.get_int("axis", 1),
+        block_size=node.attributes.get_int("block_size", 0),
+    )
+
+
+def integer_tensor(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tensor:
+    """An ir.Tensor of integer quantized type ``dtype`` holding ``values`` (already in range)."""
+    lo, hi = INTEGER_RANGES[dtype]
+    values = np.asarray(values)
+    if values.size and (values.min() < lo or values.max() > hi):
+        raise ValueError(f"values out of range for {dtype.name}")
+    return ir.tensor(values.astype(dtype.numpy()), dtype=dtype, name=name)
+
+
+def float_tensor_like(values: np.ndarray, like: np.ndarray, name: str) -> ir.Tensor:
+    return ir.tensor(np.asarray(values, dtype=like.dtype).reshape(like.shape), name=name)
+
+
+class NameAllocator:
+    """Hands out fresh, deterministic names for one graph (scans the graph once)."""
+
+    def __init__(self, graph: ir.Graph):
+        self._taken = set(graph.initializers)
+        self._taken.update(v.name for v in graph.inputs if v.name)
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            self._taken.update(v.name for v in node.outputs if v.name)
+            if node.name:
+                self._taken.add(node.name)
+
+    def fresh(self, base: str) -> str:
+        candidate, index = base, 1
+        while candidate in self._taken:
+            candidate = f"{base}_{index}"
+            index += 1
+        self._taken.add(candidate)
+        return candidate
+
+
+def add_initializer(graph: ir.Graph, tensor: ir.Tensor, name: str) -> ir.Value:
+    value = ir.Value(
+        name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor
+    )
+    graph.register_initializer(value)
+    return value

@@ -1,0 +1,60 @@
+"""The ``KenosisError`` family: every input kenosis_rewrite refuses gets one of these.
+
+Each error names what was wrong with the input and what the user can do about it; none is a
+traceback from deep inside onnx or onnxruntime.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KenosisError",
+    "NotAnOnnxModelError",
+    "InvalidModelError",
+    "NoQDQError",
+    "QOperatorFormatError",
+    "UnsupportedOpsetError",
+    "ModelTooLargeError",
+    "UnsupportedTargetError",
+    "ZooError",
+    "RuntimeMeasurementError",
+]
+
+
+class KenosisError(Exception):
+    """Base class of every error kenosis_rewrite raises on purpose."""
+
+
+class NotAnOnnxModelError(KenosisError):
+    """The input is not an ONNX model (unreadable file, wrong format, wrong Python type)."""
+
+
+class InvalidModelError(KenosisError):
+    """The input is an ONNX model but fails the ONNX checker, so no rewrite can be trusted."""
+
+
+class NoQDQError(KenosisError):
+    """The model has no QuantizeLinear/DequantizeLinear nodes: there is nothing to fix."""
+
+
+class QOperatorFormatError(KenosisError):
+    """The model uses QOperator format (QLinearConv, ...) instead of QDQ; re-quantize with QuantFormat.QDQ."""
+
+
+class UnsupportedOpsetError(KenosisError):
+    """The default-domain opset is outside the range the rules were written and tested for."""
+
+
+class ModelTooLargeError(KenosisError):
+    """The model exceeds protobuf's 2 GB limit and does not use external data."""
+
+
+class UnsupportedTargetError(KenosisError):
+    """The requested target runtime has no rule set."""
+
+
+class ZooError(KenosisError):
+    """A real model or sample could not be fetched or failed its checksum."""
+
+
+class RuntimeMeasurementError(KenosisError):
+    """ONNX Runtime could not build a session for the model (needed for explain/benchmarks)."""

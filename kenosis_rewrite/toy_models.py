@@ -1,0 +1,213 @@
+"""Small FP32 networks that reproduce the patterns real CNNs and transformers are made of.
+
+Used by the tests (each rule is checked on the pattern it targets) and by the micro-benchmarks.
+Weights are He-initialised from a fixed seed, so every build is identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = ["ToyBuilder", "TOY_MODELS", "build", "random_feeds"]
+
+
+class ToyBuilder:
+    """Appends nodes and He-initialised weights to an FP32 graph under construction."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def name(self, base: str) -> str:
+        self._count += 1
+        return f"{base}_{self._count}"
+
+    def const(self, array: np.ndarray, base: str = "c") -> str:
+        name = self.name(base)
+        self.initializers.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], n_out: int = 1, **attrs) -> str:
+        outputs = [self.name(op.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=self.name(op), **attrs))
+        return outputs[0]
+
+    def conv(self, x: str, c_in: int, c_out: int, k: int = 3, group: int = 1, stride: int = 1) -> str:
+        fan_in = c_in // group * k * k
+        w = self.rng.normal(0, np.sqrt(2.0 / fan_in), (c_out, c_in // group, k, k)).astype(np.float32)
+        b = self.rng.normal(0, 0.1, (c_out,)).astype(np.float32)
+        pad = k // 2
+        return self.node(
+            "Conv", [x, self.const(w, "w"), self.const(b, "b")],
+            kernel_shape=[k, k], pads=[pad] * 4, group=group, strides=[stride, stride],
+        )
+
+    def matmul(self, x: str, k: int, n: int) -> str:
+        w = self.rng.normal(0, np.sqrt(2.0 / k), (k, n)).astype(np.float32)
+        return self.node("MatMul", [x, self.const(w, "w")])
+
+    def gemm(self, x: str, k: int, n: int) -> str:
+        w = self.rng.normal(0, np.sqrt(2.0 / k), (n, k)).astype(np.float32)
+        b = self.rng.normal(0, 0.1, (n,)).astype(np.float32)
+        return self.node("Gemm", [x, self.const(w, "w"), self.const(b, "b")], transB=1)
+
+    def clip(self, x: str, lo: float, hi: float) -> str:
+        return self.node("Clip", [x, self.const(np.float32(lo), "lo"), self.const(np.float32(hi), "hi")])
+
+    def model(self, inputs: dict[str, list[int]], output: str, opset: int = 17) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            self.nodes,
+            "toy",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
+            [],
+            self.initializers,
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = 8
+        inferred = onnx.shape_inference.infer_shapes(model)
+        output_info = next(v for v in inferred.graph.value_info if v.name == output)
+        model.graph.output.append(output_info)
+        onnx.checker.check_model(model, full_check=True)
+        return model
+
+
+C, H = 16, 16
+IMAGE = {"x": [1, C, H, H]}
+
+
+def _wrap(b: ToyBuilder, body) -> onnx.ModelProto:
+    """x -> Conv -> [pattern] -> Conv1x1 -> y, so the pattern sits between two quantized ops."""
+    h = b.conv("x", C, C)
+    h = body(b, h)
+    return b.model(IMAGE, b.conv(h, C, C, k=1))
+
+
+def conv_relu(b):
+    return _wrap(b, lambda b, h: b.node("Relu", [h]))
+
+
+def conv_clip(b):
+    return _wrap(b, lambda b, h: b.clip(h, 0.0, 6.0))
+
+
+def conv_leakyrelu(b):
+    return _wrap(b, lambda b, h: b.node("LeakyRelu", [h], alpha=0.1))
+
+
+def conv_sigmoid(b):
+    return _wrap(b, lambda b, h: b.node("Sigmoid", [h]))
+
+
+def conv_hardswish(b):
+    return _wrap(b, lambda b, h: b.node("HardSwish", [h]))
+
+
+def conv_silu(b):
+    return _wrap(b, lambda b, h: b.node("Mul", [h, b.node("Sigmoid", [h])]))
+
+
+def conv_prelu(b):
+    slope = b.rng.uniform(0.05, 0.3, (C, 1, 1)).astype(np.float32)
+    return _wrap(b, lambda b, h: b.node("PRelu", [h, b.const(slope, "slope")]))
+
+
+def conv_prelu_uniform(b):
+    slope = np.full((C, 1, 1), 0.25, np.float32)
+    return _wrap(b, lambda b, h: b.node("PRelu", [h, b.const(slope, "slope")]))
+
+
+def conv_relu_maxpool(b):
+    def body(b, h):
+        h = b.node("Relu", [h])
+        return b.node("MaxPool", [h], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1])
+    return _wrap(b, body)
+
+
+def conv_clip_maxpool(b):
+    def body(b, h):
+        h = b.clip(h, 0.0, 6.0)
+        return b.node("MaxPool", [h], kernel_shape=[2, 2], strides=[2, 2])
+    return _wrap(b, body)
+
+
+def conv_add_relu(b):
+    """A residual block: x feeds both the Conv branch and the Add (fan-out)."""
+    h = b.node("Relu", [b.conv("x", C, C)])
+    h = b.conv(h, C, C)
+    h = b.node("Relu", [b.node("Add", [h, "x"])])
+    return b.model(IMAGE, b.conv(h, C, C, k=1))
+
+
+def concat(b):
+    """x fans out to two Conv+Relu branches joined by Concat."""
+    left = b.node("Relu", [b.conv("x", C, C)])
+    right = b.node("Relu", [b.conv("x", C, C)])
+    h = b.node("Concat", [left, right], axis=1)
+    return b.model(IMAGE, b.conv(h, 2 * C, C, k=1))
+
+
+def avgpool(b):
+    def body(b, h):
+        h = b.node("Relu", [h])
+        return b.node("AveragePool", [h], kernel_shape=[2, 2], strides=[2, 2])
+    return _wrap(b, body)
+
+
+def gap_head(b):
+    h = b.node("Relu", [b.conv("x", C, 4 * C)])
+    h = b.node("Flatten", [b.node("GlobalAveragePool", [h])])
+    return b.model(IMAGE, b.gemm(h, 4 * C, 10))
+
+
+def matmul_relu(b):
+    h = b.node("Relu", [b.matmul("t", 64, 64)])
+    return b.model({"t": [1, 32, 64]}, b.matmul(h, 64, 64))
+
+
+def gemm_relu(b):
+    h = b.node("Relu", [b.gemm("t", 64, 64)])
+    return b.model({"t": [8, 64]}, b.gemm(h, 64, 10))
+
+
+def resnetish(b, blocks: int = 3, width: int = C):
+    """Stem Conv+Relu+MaxPool, residual basic blocks, GAP and a Gemm head."""
+    h = b.node("Relu", [b.conv("x", C, width)])
+    h = b.node("MaxPool", [h], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1])
+    for _ in range(blocks):
+        r = b.node("Relu", [b.conv(h, width, width)])
+        r = b.conv(r, width, width)
+        h = b.node("Relu", [b.node("Add", [r, h])])
+    h = b.node("Flatten", [b.node("GlobalAveragePool", [h])])
+    return b.model(IMAGE, b.gemm(h, width, 10))
+
+
+TOY_MODELS = {
+    f.__name__: f
+    for f in (
+        conv_relu, conv_clip, conv_leakyrelu, conv_sigmoid, conv_hardswish, conv_silu, conv_prelu,
+        conv_prelu_uniform, conv_relu_maxpool, conv_clip_maxpool, conv_add_relu, concat, avgpool,
+        gap_head, matmul_relu, gemm_relu, resnetish,
+    )
+}
+
+
+def build(name: str, seed: int = 0) -> onnx.ModelProto:
+    """The FP32 toy model ``name`` (one of ``TOY_MODELS``)."""
+    return TOY_MODELS[name](ToyBuilder(seed))
+
+
+def random_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """``n`` N(0,1) feeds for the float inputs of a toy model (static shapes)."""
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for _ in range(n):
+        feed = {}
+        for value in model.graph.input:
+            shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
+            feed[value.name] = rng.standard_normal(shape).astype(np.float32)
+        feeds.append(feed)
+    return feeds
