@@ -1,0 +1,42 @@
+"""kenosis_rewrite: make INT8 QDQ ONNX models run in fused integer kernels, without losing accuracy.
+
+    import kenosis_rewrite
+    fixed = kenosis_rewrite.fix(quantized_model)            # same kind of model back
+    fixed, report = kenosis_rewrite.fix_with_report(quantized_model)
+    print(kenosis_rewrite.explain(fixed).summary())          # which Conv/MatMul/Gemm run integer
+"""
+
+from __future__ import annotations
+
+from kenosis_rewrite.errors import (
+    InvalidModelError,
+    KenosisError,
+    ModelTooLargeError,
+    NoQDQError,
+    NotAnOnnxModelError,
+    QOperatorFormatError,
+    RewriteError,
+    RuntimeMeasurementError,
+    UnsupportedOpsetError,
+    UnsupportedTargetError,
+    ZooError,
+)
+from kenosis_rewrite.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
+from kenosis_rewrite.report import FixReport
+
+__version__ = "0.1.0"
+
+
+def explain(model, **kwargs):
+    """Which Conv/ConvTranspose/MatMul/Gemm ORT CPU runs as integer kernels, and why not; see :mod:`kenosis_rewrite.explain`."""
+    from kenosis_rewrite.explain import explain as _explain  # noqa: PLC0415 - keeps import light
+
+    return _explain(model, **kwargs)
+
+
+__all__ = [
+    "TARGETS", "FixPass", "FixReport", "fix", "fix_with_report", "rules", "explain",
+    "KenosisError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
+    "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
+    "UnsupportedTargetError", "ZooError",
+]

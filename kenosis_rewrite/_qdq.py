@@ -173,3 +173,40 @@ def add_initializer(graph: ir.Graph, tensor: ir.Tensor, name: str) -> ir.Value:
     )
     graph.register_initializer(value)
     return value
+
+
+def graph_value_names(graph: ir.Graph) -> set[str]:
+    """Every value and initializer name of ``graph`` (top level)."""
+    names = set(graph.initializers)
+    names.update(v.name for v in graph.inputs if v.name)
+    for node in graph:
+        names.update(v.name for v in node.outputs if v.name)
+    return names
+
+
+def unique_name(graph: ir.Graph | None, base: str, also_taken: set[str] | frozenset[str] = frozenset()) -> str:
+    """``base`` or ``base_N``: a name no value of ``graph`` uses yet.
+
+    Rewrite rules need this: onnxscript skips a new initializer whose name already exists.
+    """
+    taken = graph_value_names(graph) if graph is not None else set()
+    taken |= set(also_taken)
+    candidate, index = base, 1
+    while candidate in taken:
+        candidate = f"{base}_{index}"
+        index += 1
+    return candidate
+
+
+def dequantize_consumers(value: ir.Value) -> list[ir.Node] | None:
+    """The DequantizeLinear nodes reading ``value``; None when anything else reads it."""
+    consumers = []
+    for node, index in value.uses():
+        if not is_dequantize(node) or index != 0:
+            return None
+        consumers.append(node)
+    return consumers
+
+
+def scalar_initializer_like(array: np.ndarray, value: float | int, dtype) -> ir.Tensor:
+    return ir.tensor(np.asarray(value, dtype=dtype).reshape(array.shape))

@@ -17,6 +17,7 @@ __all__ = [
     "UnsupportedTargetError",
     "ZooError",
     "RuntimeMeasurementError",
+    "RewriteError",
 ]
 
 
@@ -58,3 +59,7 @@ class ZooError(KenosisError):
 
 class RuntimeMeasurementError(KenosisError):
     """ONNX Runtime could not build a session for the model (needed for explain/benchmarks)."""
+
+
+class RewriteError(KenosisError):
+    """A rewrite produced a model that fails validation; nothing is returned rather than a broken model."""

@@ -1,0 +1,95 @@
+"""Fidelity of quantized models against their FP32 original, measured with ONNX Runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from kenosis_rewrite import _io
+from kenosis_rewrite.errors import RuntimeMeasurementError
+
+__all__ = ["random_feeds", "run", "cosine", "compare_to_float"]
+
+_NUMPY_OF_ONNX = {
+    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.INT32: np.int32, onnx.TensorProto.UINT8: np.uint8,
+    onnx.TensorProto.INT8: np.int8, onnx.TensorProto.BOOL: np.bool_,
+}
+
+
+def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """``n`` feeds of N(0,1) floats (zeros for integer inputs); unknown dims: batch 1, others 32."""
+    rng = np.random.default_rng(seed)
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = [v for v in model.graph.input if v.name not in initializers]
+    feeds = []
+    for _ in range(n):
+        feed = {}
+        for value in inputs:
+            tensor_type = value.type.tensor_type
+            shape = [
+                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (1 if i == 0 else 32)
+                for i, d in enumerate(tensor_type.shape.dim)
+            ]
+            dtype = _NUMPY_OF_ONNX.get(tensor_type.elem_type, np.float32)
+            if np.issubdtype(dtype, np.floating):
+                feed[value.name] = rng.standard_normal(shape).astype(dtype)
+            else:
+                feed[value.name] = np.zeros(shape, dtype=dtype)
+        feeds.append(feed)
+    return feeds
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # noqa: BLE001 - any ORT failure becomes one typed error
+        raise RuntimeMeasurementError(f"ONNX Runtime could not load the model: {error}") from None
+
+
+def run(model: onnx.ModelProto, feeds: Iterable[Mapping[str, np.ndarray]]) -> list[list[np.ndarray]]:
+    """Outputs of ``model`` on each feed (ORT CPU, one thread)."""
+    session = _session(model)
+    try:
+        return [session.run(None, dict(feed)) for feed in feeds]
+    except Exception as error:  # noqa: BLE001
+        raise RuntimeMeasurementError(f"ONNX Runtime failed to run the model: {error}") from None
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
+    denominator = np.linalg.norm(a) * np.linalg.norm(b)
+    if denominator == 0:
+        return 1.0 if np.array_equal(a, b) else 0.0
+    return float(np.dot(a, b) / denominator)
+
+
+def _scores(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> dict[str, float]:
+    cosines, max_abs = [], 0.0
+    for ref_outputs, outs in zip(reference, outputs):
+        for ref, out in zip(ref_outputs, outs):
+            if not np.issubdtype(np.asarray(ref).dtype, np.floating):
+                continue
+            cosines.append(cosine(ref, out))
+            max_abs = max(max_abs, float(np.max(np.abs(np.asarray(ref, np.float64) - out), initial=0.0)))
+    return {"cosine": float(np.min(cosines)) if cosines else 1.0, "max_abs": max_abs}
+
+
+def compare_to_float(
+    float_model: _io.ModelLike,
+    candidates: Mapping[str, onnx.ModelProto],
+    feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Worst-case cosine and max abs error of each candidate's float outputs against FP32."""
+    loaded = _io.load(float_model, require_qdq=False)
+    reference_model = _io.to_output(_io.LoadedModel(loaded.model, "proto"))
+    feeds = list(feeds) if feeds is not None else random_feeds(reference_model)
+    reference = run(reference_model, feeds)
+    return {name: _scores(reference, run(model, feeds)) for name, model in candidates.items()}

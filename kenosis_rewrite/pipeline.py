@@ -1,0 +1,210 @@
+"""``fix()``: a thin pipeline over the rules and passes of one target.
+
+Order for ``ort-cpu`` (each step's module docstring states its transformation and exactness):
+
+1. ``activation-int8-to-uint8`` (pass, exact): every activation Q/DQ to uint8.
+2. Rewrite rules to a fixed point: Relu/Clip island folding, PRelu replacement.
+3. ``align-pass-through-qparams`` (pass, exact): parameters changed in 2 flow through MaxPool,
+   Reshape, ...
+4. ``requantize-stale-bias`` (pass): int32 biases follow the input scales changed in 2 and 3.
+5. Clean-up: unused nodes and initializers, the rewriter's bookkeeping metadata, node names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes import common as common_passes
+from onnxscript.rewriter._rewrite_rule import RewriteRuleSet
+
+from kenosis_rewrite import _io
+from kenosis_rewrite.errors import RewriteError, UnsupportedTargetError
+from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
+from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
+from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
+from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules.activation_islands import FoldClipIsland, FoldReluIsland
+from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
+
+__all__ = ["TARGETS", "FixPass", "rules", "fix", "fix_with_report"]
+
+TARGETS = ("ort-cpu",)
+_MAX_REWRITE_ROUNDS = 8
+_REWRITER_METADATA_PREFIX = "pkg.onnxscript"
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise UnsupportedTargetError(f"Unknown target {target!r}; known targets: {', '.join(TARGETS)}.")
+
+
+def rules(target: str = "ort-cpu", report: FixReport | None = None) -> RewriteRuleSet:
+    """The onnxscript rewrite rules of ``target``, usable in any onnxscript/onnx-ir pipeline.
+
+    Graph-wide steps (dtype retyping, parameter propagation, bias requantization) are onnx-ir
+    passes, not rules: run :class:`FixPass` for the whole transformation.
+    """
+    _check_target(target)
+    return RewriteRuleSet(
+        [
+            FoldReluIsland.rule(report),
+            FoldClipIsland.rule(report),
+            PReluToLeakyRelu.rule(report),
+            PReluToReluMin.rule(report),
+        ]
+    )
+
+
+class RewriteRulesPass(ir.passes.InPlacePass):
+    """Apply a rule set until nothing more matches (bounded number of rounds)."""
+
+    def __init__(self, rule_set: RewriteRuleSet):
+        super().__init__()
+        self.rule_set = rule_set
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        total = 0
+        for _ in range(_MAX_REWRITE_ROUNDS):
+            count = self.rule_set.apply_to_model(model)
+            total += count
+            if count == 0:
+                break
+        return ir.passes.PassResult(model, modified=total > 0)
+
+
+class CleanupPass(ir.passes.InPlacePass):
+    """Drop what the rewrite left unused and the rewriter's bookkeeping; name new nodes."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        common_passes.RemoveUnusedNodesPass()(model)
+        taken = {node.name for node in model.graph if node.name}
+        for index, node in enumerate(model.graph):
+            for key in [k for k in node.metadata_props if k.startswith(_REWRITER_METADATA_PREFIX)]:
+                del node.metadata_props[key]
+            if not node.name:
+                name, suffix = f"{node.op_type}_kenosis_{index}", 0
+                while name in taken:
+                    suffix += 1
+                    name = f"{node.op_type}_kenosis_{index}_{suffix}"
+                node.name = name
+                taken.add(name)
+        common_passes.NameFixPass()(model)
+        return ir.passes.PassResult(model, modified=True)
+
+
+class FixPass(ir.passes.InPlacePass):
+    """The whole ``fix()`` transformation of one target as an onnx-ir pass.
+
+    Usable in ``onnx_ir.passes.PassManager`` and after ``onnxscript.optimizer.optimize``.
+    """
+
+    def __init__(self, target: str = "ort-cpu", report: FixReport | None = None):
+        super().__init__()
+        _check_target(target)
+        self.target = target
+        self.report = report if report is not None else FixReport(target=target)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        steps = ir.passes.Sequential(
+            ActivationInt8ToUint8Pass(self.report),
+            RewriteRulesPass(rules(self.target, self.report)),
+            PassThroughQParamsPass(self.report),
+            BiasRescalePass(self.report),
+        )
+        result = steps(model)
+        CleanupPass()(model)
+        return ir.passes.PassResult(model, modified=result.modified)
+
+
+def _interface(proto: onnx.ModelProto) -> tuple:
+    """What fix() promises to keep: graph inputs/outputs with their types, opsets, metadata."""
+    return (
+        [(v.name, v.type.SerializeToString()) for v in proto.graph.input],
+        [(v.name, v.type.tensor_type.elem_type) for v in proto.graph.output],
+        sorted((o.domain, o.version) for o in proto.opset_import),
+        sorted((p.key, p.value) for p in proto.metadata_props),
+        (proto.ir_version, proto.producer_name, proto.producer_version, proto.domain, proto.model_version),
+    )
+
+
+def _passes_full_check(proto: onnx.ModelProto) -> str | None:
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        return str(error)
+    return None
+
+
+def _validate(before: onnx.ModelProto, after: onnx.ModelProto, report: FixReport) -> None:
+    if _interface(before) != _interface(after):
+        raise RewriteError(
+            "internal error: the rewrite changed the model's interface (inputs, outputs, opsets or "
+            "metadata); no model is returned. Please report this with the model."
+        )
+    problem = _passes_full_check(after)
+    if problem is None:
+        return
+    if _passes_full_check(before) is not None:
+        # The input itself fails the strict check; hold the output to the same standard as the input.
+        report.note("the input model fails onnx.checker full_check; the output was checked without it")
+        onnx.checker.check_model(after)
+        return
+    raise RewriteError(f"internal error: the rewritten model fails the ONNX checker ({problem}); no model is returned.")
+
+
+def fix_with_report(
+    model: _io.ModelLike,
+    *,
+    target: str = "ort-cpu",
+    float_model: _io.ModelLike | None = None,
+    calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
+) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
+    """:func:`fix`, returning ``(fixed_model, FixReport)``."""
+    _check_target(target)
+    loaded = _io.load(model)
+    before = ir.serde.serialize_model(loaded.model)
+    report = FixReport(target=target)
+    FixPass(target, report)(loaded.model)
+    after = ir.serde.serialize_model(loaded.model)
+    _validate(before, after, report)
+    if float_model is not None:
+        from kenosis_rewrite import fidelity  # noqa: PLC0415 - only needed with a float model
+
+        report.fidelity = fidelity.compare_to_float(float_model, {"input": before, "fixed": after}, calibration)
+    result = loaded.model if loaded.returns == "ir" else after
+    return result, report
+
+
+def fix(
+    model: _io.ModelLike,
+    *,
+    target: str = "ort-cpu",
+    float_model: _io.ModelLike | None = None,
+    calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
+    return_report: bool = False,
+):
+    """Rewrite a QDQ model so that ONNX Runtime runs more of it in fused integer kernels.
+
+    Args:
+        model: the quantized (QDQ) model: ``onnx.ModelProto``, ``onnx_ir.Model`` or a path.
+            The caller's object is never modified.
+        target: the runtime to place Q/DQ for (``"ort-cpu"``: ONNX Runtime CPU, x86).
+        float_model: optional FP32 original; when given, the report carries the fidelity
+            (cosine, max abs error) of the input and the fixed model against it.
+        calibration: optional feeds (iterable of ``{input_name: array}``) for that comparison;
+            random inputs when omitted.
+        return_report: return ``(model, FixReport)`` instead of the model alone.
+
+    Returns:
+        The fixed model, of the kind given: an ``onnx_ir.Model`` for an ``onnx_ir.Model``,
+        otherwise an ``onnx.ModelProto`` (a path in gives a ModelProto out).
+
+    Raises:
+        KenosisError: a subclass naming what is wrong with the input (not ONNX, no Q/DQ,
+            QOperator format, unsupported opset, too large, unknown target).
+    """
+    fixed, report = fix_with_report(model, target=target, float_model=float_model, calibration=calibration)
+    return (fixed, report) if return_report else fixed

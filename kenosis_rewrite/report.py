@@ -1,0 +1,99 @@
+"""What ``fix()`` changed, where, and why it left other candidates alone."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One applied rewrite: ``rule`` changed the graph at ``where``."""
+
+    rule: str
+    where: str
+    detail: str
+    exact: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One candidate a rule matched structurally but left alone, with the reason."""
+
+    rule: str
+    where: str
+    reason: str
+
+
+@dataclasses.dataclass
+class FixReport:
+    """Changes and refusals of one ``fix()`` run, in the order they happened.
+
+    Rules and passes append to it through :meth:`changed` and :meth:`refused`; a refusal is
+    recorded once per (rule, place, reason) even when the rewriter asks twice.
+    """
+
+    target: str = "ort-cpu"
+    changes: list[Change] = dataclasses.field(default_factory=list)
+    refusals: list[Refusal] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    # {"input": {"cosine": ..., "max_abs": ...}, "fixed": {...}} when fix() was given the float model.
+    fidelity: dict | None = None
+
+    def changed(self, rule: str, where: str, detail: str, *, exact: bool) -> None:
+        self.changes.append(Change(rule, where, detail, exact))
+
+    def refused(self, rule: str, where: str, reason: str) -> None:
+        refusal = Refusal(rule, where, reason)
+        if refusal not in self.refusals:
+            self.refusals.append(refusal)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def forget_refusals_at(self, rule: str, where: str) -> None:
+        """Drop refusals of ``rule`` at ``where`` after the rule did apply there in a later round."""
+        self.refusals = [r for r in self.refusals if not (r.rule == rule and r.where == where)]
+
+    def change_counts(self) -> dict[str, int]:
+        return dict(collections.Counter(change.rule for change in self.changes))
+
+    def refusal_counts(self) -> dict[str, int]:
+        return dict(collections.Counter(refusal.rule for refusal in self.refusals))
+
+    @property
+    def changed_anything(self) -> bool:
+        return bool(self.changes)
+
+    def summary(self) -> str:
+        lines = [f"kenosis_rewrite fix (target {self.target})"]
+        if not self.changes:
+            lines.append("  no changes: the model already matches every rule of this target")
+        for rule, count in self.change_counts().items():
+            lines.append(f"  {rule}: {count} change(s)")
+        for rule, count in self.refusal_counts().items():
+            lines.append(f"  {rule}: {count} candidate(s) left alone")
+        for refusal in self.refusals:
+            lines.append(f"    - {refusal.where}: {refusal.reason}")
+        for name, scores in (self.fidelity or {}).items():
+            lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, max abs {scores['max_abs']:.4g}")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_dict(self) -> dict:
+        return {
+            "target": self.target,
+            "changes": [dataclasses.asdict(change) for change in self.changes],
+            "refusals": [dataclasses.asdict(refusal) for refusal in self.refusals],
+            "change_counts": self.change_counts(),
+            "refusal_counts": self.refusal_counts(),
+            "notes": list(self.notes),
+            "fidelity": self.fidelity,
+        }
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)

@@ -1,0 +1,183 @@
+"""Fold Relu/Clip float islands: move the activation in front of the quantizer.
+
+Transformation (``Act`` is Relu, or Clip with lower bound 0)::
+
+    x -> Q(s1, z1) -> DQ(s1, z1) -> Act -> Q(s2, z2) -> DQ(s2, z2) ...
+    ==>
+    x -> Act -> Q(s', qmin) -> DQ(s', qmin) ...
+
+with ``s' = u / (qmax - qmin)`` where ``u`` is the largest value the old output quantizer could
+represent, ``s2 * (qmax - z2)``, capped at the Clip's upper bound. Every DequantizeLinear that
+read the old Q is re-pointed to ``(s', qmin)`` (``check()`` makes sure they all agree with it).
+
+Why: on ORT CPU a Conv/MatMul/Gemm fuses with its output Q into one integer kernel only when
+nothing float sits between them. With the zero point at the type minimum, ORT drops a Relu in
+front of a Q (it is the Q's own clamp), and drops a Clip whose bounds lie outside the Q's range;
+so the weighted op, the activation and the Q become one QLinearConv/QLinearMatMul/QGemm. Without
+it, quantize_static's symmetric and keep-activation configs leave DQ -> Relu -> Q float islands,
+and a zero point above qmin after Relu makes ORT run a float FusedConv (2.5-6x slower).
+
+Exactness: Relu and Clip(0, M) are positively homogeneous, ``f(a*x) = a*f(x)`` for ``a > 0`` (up to
+M), so dequantization with zero point at qmin commutes with them. The result is bit-identical to
+the input QDQ model on its calibrated range when ``s' == s1 == s2`` and ``z2 == qmin`` (reported as
+exact). Otherwise it is a requantization onto the grid ``s'``: the output range ``[0, u]`` is kept
+and its resolution is ``(qmax - z2) / (qmax - qmin)`` times finer than before (2x for symmetric
+quantization), and the pre-activation rounding and clamp of Q(s1, z1) disappear. The error against
+the float model is at most ``s'/2`` per element, never more than the input model's.
+A changed scale must be propagated (pass-through ops) and biases requantized downstream; ``fix()``
+runs those passes after these rules.
+
+Refused with a reason: Clip with a lower bound other than 0 or non-constant bounds, per-axis or
+non-8-bit parameters, a pre-activation tensor or quantized output read by anything else, an
+output Q that is a graph output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.report import FixReport
+
+__all__ = ["FoldReluIsland", "FoldClipIsland", "activation_island_rules"]
+
+
+def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None] | str:
+    """(lo, hi) of a Clip with constant bounds (None = unbounded), or a reason why not."""
+    if len(clip.inputs) > 1 or not clip.attributes:
+        bounds = []
+        for index in (1, 2):
+            value = clip.inputs[index] if len(clip.inputs) > index else None
+            if value is None:
+                bounds.append(None)
+                continue
+            array = _qdq.const_array(value)
+            if array is None:
+                return f"Clip bound {value.name!r} is not a constant"
+            bounds.append(float(array.reshape(-1)[0]))
+        return bounds[0], bounds[1]
+    return clip.attributes.get_float("min", None), clip.attributes.get_float("max", None)
+
+
+class _FoldActivationIsland(RewriteRuleClassBase):
+    """Shared matching, checking and rewriting of Relu and Clip islands."""
+
+    activation: str = ""
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__(name=f"fold-{self.activation.lower()}-island")
+        self.report = report
+
+    def pattern(self, op, x):
+        quantized = op.QuantizeLinear(x, _allow_other_inputs=True, _outputs=["q1"])
+        dequantized = op.DequantizeLinear(quantized, _allow_other_inputs=True, _outputs=["dq1"])
+        activated = getattr(op, self.activation)(dequantized, _allow_other_inputs=True, _outputs=["act"])
+        return op.QuantizeLinear(activated, _allow_other_inputs=True, _outputs=["q2"])
+
+    def _upper_bound(self, activation: ir.Node, representable: float) -> float | str:
+        return representable
+
+    def _fail(self, where: str, reason: str) -> MatchResult:
+        if self.report is not None:
+            self.report.refused(self.name, where, reason)
+        return MatchResult().fail(reason)
+
+    def check(self, context, x, q1, dq1, act, q2, **_) -> MatchResult:
+        del context
+        q1_node, dq1_node, act_node, q2_node = (v.producer() for v in (q1, dq1, act, q2))
+        where = act_node.name or act.name or self.activation
+        p1, pd, p2 = (_qdq.quant_params(n) for n in (q1_node, dq1_node, q2_node))
+        if p1 is None or pd is None or p2 is None:
+            return self._fail(where, "quantization parameters are not constants")
+        for params in (p1, p2):
+            if not params.is_per_tensor or params.dtype not in _qdq.EIGHT_BIT:
+                return self._fail(where, f"only per-tensor 8-bit activations are folded, got {params.describe()}")
+        if not pd.same_as(p1):
+            return self._fail(where, "the pre-activation DequantizeLinear disagrees with its QuantizeLinear")
+        if x.producer() is None or len(x.uses()) != 1:
+            return self._fail(where, f"pre-activation tensor {x.name!r} is a graph input or has other consumers")
+        if q2.is_graph_output():
+            return self._fail(where, f"quantized output {q2.name!r} is a graph output")
+        consumers = _qdq.dequantize_consumers(q2)
+        if consumers is None:
+            return self._fail(where, f"quantized output {q2.name!r} is read by a non-DequantizeLinear node")
+        for consumer in consumers:
+            params = _qdq.quant_params(consumer)
+            if params is None or not params.same_as(p2):
+                return self._fail(where, f"DequantizeLinear {consumer.name!r} disagrees with the output QuantizeLinear")
+        representable = p2.scalar_scale * (p2.qmax - p2.scalar_zero_point)
+        if representable <= 0:
+            return self._fail(where, f"output quantizer {p2.describe()} represents no positive value")
+        upper = self._upper_bound(act_node, representable)
+        if isinstance(upper, str):
+            return self._fail(where, upper)
+        if self.report is not None:
+            self.report.forget_refusals_at(self.name, where)
+        return MatchResult()
+
+    def rewrite(self, op, x, q1, dq1, act, q2, **_):
+        act_node, q2_node = act.producer(), q2.producer()
+        p1, p2 = _qdq.quant_params(q1.producer()), _qdq.quant_params(q2_node)
+        upper = self._upper_bound(act_node, p2.scalar_scale * (p2.qmax - p2.scalar_zero_point))
+        new_scale = np.asarray(upper / (p2.qmax - p2.qmin), dtype=p2.scale.dtype)
+        graph = q2_node.graph
+        base = q2.name or "activation"
+        scale_name = _qdq.unique_name(graph, f"{base}_folded_scale")
+        zp_name = _qdq.unique_name(graph, f"{base}_folded_zero_point", {scale_name})
+        scale = op.initializer(ir.tensor(new_scale.reshape(p2.scale.shape), name=scale_name), name=scale_name)
+        zero_point = op.initializer(
+            _qdq.integer_tensor(np.full(p2.zero_point.shape, p2.qmin), p2.dtype, zp_name), name=zp_name
+        )
+        activated = op.op(self.activation, x, *act_node.inputs[1:], **dict(act_node.attributes))
+        quantized = op.op("QuantizeLinear", activated, scale, zero_point, **dict(q2_node.attributes))
+        # The DQs after the old Q are outside the matched pattern; they must read the new parameters.
+        for consumer in _qdq.dequantize_consumers(q2) or []:
+            consumer.replace_input_with(1, scale)
+            _set_zero_point(consumer, zero_point)
+        if self.report is not None:
+            exact = (
+                float(new_scale) == p1.scalar_scale == p2.scalar_scale and p2.scalar_zero_point == p2.qmin
+            )
+            how = "exact" if exact else f"requantized: {p1.describe()} | {p2.describe()} ->"
+            self.report.changed(
+                self.name, act_node.name or str(act.name),
+                f"{how} {p2.dtype.name.lower()} s={float(new_scale):.6g} zp={p2.qmin}", exact=exact,
+            )
+        return quantized
+
+
+def _set_zero_point(node: ir.Node, value: ir.Value) -> None:
+    if len(node.inputs) < 3:
+        node.resize_inputs(3)
+    node.replace_input_with(2, value)
+
+
+class FoldReluIsland(_FoldActivationIsland):
+    """``Q -> DQ -> Relu -> Q`` ==> ``Relu -> Q(zp = qmin)``; see the module docstring."""
+
+    activation = "Relu"
+
+
+class FoldClipIsland(_FoldActivationIsland):
+    """``Q -> DQ -> Clip(0, M) -> Q`` ==> ``Clip(0, M) -> Q(zp = qmin)``; see the module docstring."""
+
+    activation = "Clip"
+
+    def _upper_bound(self, activation: ir.Node, representable: float) -> float | str:
+        bounds = _clip_bounds(activation)
+        if isinstance(bounds, str):
+            return bounds
+        lo, hi = bounds
+        if lo is None or lo != 0.0:
+            return f"Clip lower bound {lo} is not 0, so Clip does not commute with dequantization"
+        if hi is not None and hi <= 0:
+            return f"Clip upper bound {hi} leaves no positive range"
+        return representable if hi is None else min(hi, representable)
+
+
+def activation_island_rules(report: FixReport | None = None) -> RewriteRuleSet:
+    """The Relu and Clip island rules, recording into ``report`` when given."""
+    return RewriteRuleSet([FoldReluIsland.rule(report), FoldClipIsland.rule(report)])
