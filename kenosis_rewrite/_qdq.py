@@ -105,7 +105,12 @@ def _quantized_dtype(node: ir.Node) -> ir.DataType | None:
             return ir.DataType(output_dtype)
         return ir.DataType.UINT8
     # DQ without zero point: the type is the type of its input.
-    return node.inputs[0].dtype if node.inputs[0] is not None else None
+    data = node.inputs[0]
+    if data is None:
+        return None
+    if data.dtype is None and is_quantize(data.producer()):
+        return _quantized_dtype(data.producer())
+    return data.dtype
 
 
 def quant_params(node: ir.Node) -> QuantParams | None:

@@ -1,0 +1,58 @@
+"""Helpers shared by the test modules: run with ORT, compare, inspect graphs."""
+
+from __future__ import annotations
+
+import collections
+import os
+import tempfile
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+
+def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def outputs(model: onnx.ModelProto, feed: dict, optimized: bool = True) -> list[np.ndarray]:
+    return session(model, optimized).run(None, feed)
+
+
+def op_types(model: onnx.ModelProto) -> collections.Counter:
+    return collections.Counter(node.op_type for node in model.graph.node)
+
+
+def node_by_name(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
+    return next(node for node in model.graph.node if node.name == name)
+
+
+def producer_of(model: onnx.ModelProto, tensor: str) -> onnx.NodeProto | None:
+    return next((node for node in model.graph.node if tensor in node.output), None)
+
+
+def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
+    return next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
+
+
+def ort_optimized_op_types(model: onnx.ModelProto) -> collections.Counter:
+    """Op types of the graph ORT CPU actually runs (ORT_ENABLE_ALL, one thread)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "optimized.onnx")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        options.optimized_model_filepath = path
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return op_types(onnx.load(path))
+
+
+def sqnr_db(reference: np.ndarray, candidate: np.ndarray) -> float:
+    reference = np.asarray(reference, np.float64)
+    noise = np.sum((reference - candidate) ** 2)
+    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))

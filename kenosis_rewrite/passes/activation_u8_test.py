@@ -1,0 +1,118 @@
+"""Tests of the int8 -> uint8 activation retyping pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from kenosis_rewrite import _testing, ort_quantize, toy_models
+from kenosis_rewrite.passes.activation_u8 import RULE_NAME, ActivationInt8ToUint8Pass
+from kenosis_rewrite.report import FixReport
+
+
+def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    ActivationInt8ToUint8Pass(report)(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report
+
+
+@pytest.mark.parametrize("name", ["resnetish", "conv_silu", "concat", "matmul_relu"])
+def test_every_activation_becomes_uint8_weights_stay_int8_outputs_bit_identical(name):
+    float_model = toy_models.build(name)
+    feeds = toy_models.random_feeds(float_model, 4)
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    fixed, report = _apply(qdq)
+    initializers = {t.name: t for t in fixed.graph.initializer}
+    for node in fixed.graph.node:
+        if node.op_type == "QuantizeLinear":
+            assert initializers[node.input[2]].data_type == onnx.TensorProto.UINT8, node.name
+    weight_dqs = [n for n in fixed.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers
+                  and initializers[n.input[0]].data_type == onnx.TensorProto.INT8]
+    assert weight_dqs, "weights must stay int8"
+    assert report.change_counts()[RULE_NAME] >= 3
+    for feed in feeds:
+        for a, b in zip(_testing.outputs(qdq, feed, optimized=False), _testing.outputs(fixed, feed, optimized=False)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_fan_out_tensors_leave_float_kernels_on_ort():
+    float_model = toy_models.build("resnetish")
+    qdq = ort_quantize.quantize_with_ort(float_model, toy_models.random_feeds(float_model, 4), "default")
+    assert _testing.ort_optimized_op_types(qdq)["Conv"] > 0  # the problem: int8 fan-out runs float
+    fixed, _ = _apply(qdq)
+    optimized = _testing.ort_optimized_op_types(fixed)
+    assert optimized["Conv"] == 0 and optimized["Add"] == 0
+    assert optimized["QLinearConv"] == 7 and optimized["QLinearAdd"] == 3
+
+
+INT8_OUTPUT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,4] x) => (int8[1,4] q, float[1,4] y)
+<float s = {0.1}, int8 z = {3}>
+{
+  a = Relu(x)
+  q = QuantizeLinear(a, s, z)
+  y = DequantizeLinear(q, s, z)
+}
+"""
+
+
+def test_int8_graph_output_is_refused_with_reason():
+    proto = onnx.parser.parse_model(INT8_OUTPUT)
+    fixed, report = _apply(proto)
+    assert [r.reason for r in report.refusals if r.rule == RULE_NAME] == [
+        "int8 tensor 'q' is a graph output; its type is part of the model's interface"
+    ]
+    assert not report.changes
+    assert fixed.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.INT8
+
+
+ADD_CONSTANT = """
+<ir_version: 8, opset_import: ["" : 21]>
+g (float[1,4] x) => (float[1,4] y)
+<float s = {0.1}, int8 z = {-5}, int8[1,4] c = {-128, -3, 0, 127}, float sc = {0.02}, int8 zc = {0}>
+{
+  a = Relu(x)
+  qa = QuantizeLinear(a, s, z)
+  da = DequantizeLinear(qa, s, z)
+  dc = DequantizeLinear(c, sc, zc)
+  sum = Add(da, dc)
+  qs = QuantizeLinear(sum, s)
+  ds = DequantizeLinear(qs, s)
+  y = Identity(ds)
+}
+"""
+
+
+def test_activation_constants_and_zero_point_less_quantizers_are_retyped_exactly():
+    proto = onnx.parser.parse_model(ADD_CONSTANT)
+    # Q without zero point defaults to uint8; force the int8 case through output_dtype (opset 21).
+    quantize = _testing.producer_of(proto, "qs")
+    quantize.attribute.append(onnx.helper.make_attribute("output_dtype", onnx.TensorProto.INT8))
+    onnx.checker.check_model(proto)
+    fixed, report = _apply(proto)
+    constant_dq = _testing.producer_of(fixed, "dc")
+    np.testing.assert_array_equal(_testing.initializer(fixed, constant_dq.input[0]), [[0, 125, 128, 255]])
+    assert _testing.initializer(fixed, constant_dq.input[2]) == 128
+    qs = _testing.producer_of(fixed, "qs")
+    assert _testing.initializer(fixed, qs.input[2]) == 128
+    assert [a.i for a in qs.attribute if a.name == "output_dtype"] == [onnx.TensorProto.UINT8]
+    assert len(report.changes) == 3
+    feed = {"x": np.array([[0.0, 1.3, 12.7, 40.0]], np.float32)}
+    np.testing.assert_array_equal(
+        _testing.outputs(proto, feed, optimized=False)[0], _testing.outputs(fixed, feed, optimized=False)[0]
+    )
+
+
+def test_weights_shared_with_activation_uses_stay_int8():
+    float_model = toy_models.build("gemm_relu")
+    qdq = ort_quantize.quantize_with_ort(float_model, toy_models.random_feeds(float_model, 4), "default")
+    fixed, _ = _apply(qdq)
+    gemm = next(n for n in fixed.graph.node if n.op_type == "Gemm")
+    weight_dq = _testing.producer_of(fixed, gemm.input[1])
+    assert _testing.initializer(fixed, weight_dq.input[0]).dtype == np.int8

@@ -1,0 +1,69 @@
+"""Tests of the pass-through parameter alignment pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from kenosis_rewrite import _testing
+from kenosis_rewrite.passes.qparam_propagation import RULE_NAME, PassThroughQParamsPass
+from kenosis_rewrite.report import FixReport
+
+CHAIN = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,8,8] x) => (float[1,2,{out}] y)
+<float s1 = {{0.05}}, uint8 z1 = {{0}}, float s2 = {{0.07}}, uint8 z2 = {{{z2}}}, int64[2] shape = {{1, -1}}>
+{{
+  r = Relu(x)
+  q1 = QuantizeLinear(r, s1, z1)
+  d1 = DequantizeLinear(q1, s1, z1)
+  p = {op}
+  q2 = QuantizeLinear(p, s2, z2)
+  y = DequantizeLinear(q2, s2, z2)
+}}
+"""
+
+
+def _apply(proto):
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    PassThroughQParamsPass(report)(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report
+
+
+@pytest.mark.parametrize(
+    "op, out",
+    [("MaxPool<kernel_shape=[2,2], strides=[2,2]>(d1)", "4,4"), ("Transpose<perm=[0,1,3,2]>(d1)", "8,8")],
+)
+def test_output_quantizer_takes_input_parameters_and_values_survive_exactly(op, out):
+    proto = onnx.parser.parse_model(CHAIN.format(op=op, out=out, z2=3))
+    fixed, report = _apply(proto)
+    q2, y = _testing.producer_of(fixed, "q2"), _testing.producer_of(fixed, "y")
+    assert q2.input[1:] == ["s1", "z1"] and y.input[1:] == ["s1", "z1"]
+    assert [c.rule for c in report.changes] == [RULE_NAME]
+    feed = {"x": np.random.default_rng(0).uniform(-1, 14, (1, 2, 8, 8)).astype(np.float32)}
+    # y must equal the pass-through op applied to the dequantized input, with no further rounding.
+    reference = onnx.parser.parse_model(CHAIN.format(op=op, out=out, z2=3).replace(
+        "q2 = QuantizeLinear(p, s2, z2)\n  y = DequantizeLinear(q2, s2, z2)", "y = Identity(p)"))
+    np.testing.assert_array_equal(_testing.outputs(reference, feed)[0], _testing.outputs(fixed, feed)[0])
+    assert not np.array_equal(_testing.outputs(proto, feed)[0], _testing.outputs(fixed, feed)[0])
+
+
+def test_dtype_mismatch_is_refused_with_reason():
+    text = CHAIN.format(op="MaxPool<kernel_shape=[2,2], strides=[2,2]>(d1)", out="4,4", z2=3).replace(
+        "uint8 z2 = {3}", "int8 z2 = {3}")
+    fixed, report = _apply(onnx.parser.parse_model(text))
+    assert report.refusals[0].reason == "input is UINT8, output quantizer is INT8"
+    assert _testing.producer_of(fixed, "q2").input[1] == "s2"
+
+
+def test_aligned_chain_is_left_alone():
+    text = CHAIN.format(op="MaxPool<kernel_shape=[2,2], strides=[2,2]>(d1)", out="4,4", z2=0).replace(
+        "q2 = QuantizeLinear(p, s2, z2)", "q2 = QuantizeLinear(p, s1, z1)").replace(
+        "y = DequantizeLinear(q2, s2, z2)", "y = DequantizeLinear(q2, s1, z1)")
+    _, report = _apply(onnx.parser.parse_model(text))
+    assert not report.changes and not report.refusals
