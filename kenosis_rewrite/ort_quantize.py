@@ -71,6 +71,7 @@ def quantize_with_ort(
     extra = dict(kwargs.pop("extra_options", {}))
     extra.update(overrides.pop("extra_options", {}))
     kwargs.update(overrides)
+    kwargs.setdefault("quant_format", QuantFormat.QDQ)
     with tempfile.TemporaryDirectory() as tmp, _quiet_root_logger():
         source = os.path.join(tmp, "float.onnx")
         target = os.path.join(tmp, "qdq.onnx")
@@ -79,7 +80,6 @@ def quantize_with_ort(
             source,
             target,
             FeedsReader(feeds),
-            quant_format=QuantFormat.QDQ,
             extra_options=extra,
             **kwargs,
         )

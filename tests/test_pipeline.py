@@ -1,0 +1,139 @@
+"""End-to-end behaviour of fix(): contracts, numerics and ORT fusion on quantize_static outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxscript
+import pytest
+
+import kenosis_rewrite
+from kenosis_rewrite import _testing, ort_quantize, toy_models
+
+CONFIGS = ["default", "u8s8", "sym", "keep", "convmm", "pc"]
+NETS = ["resnetish", "conv_add_relu", "conv_clip_maxpool", "concat", "conv_silu", "conv_prelu", "gap_head",
+        "matmul_relu", "gemm_relu", "avgpool"]
+
+
+def _quantized(name: str, config: str):
+    float_model = toy_models.build(name)
+    feeds = toy_models.random_feeds(float_model, 6)
+    return float_model, feeds, ort_quantize.quantize_with_ort(float_model, feeds, config)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("name", NETS)
+def test_fix_keeps_contracts_and_fidelity(name, config):
+    float_model, feeds, qdq = _quantized(name, config)
+    before = qdq.SerializeToString()
+    fixed, report = kenosis_rewrite.fix(qdq, float_model=float_model, calibration=feeds, return_report=True)
+    assert qdq.SerializeToString() == before, "fix() must not mutate its input"
+    onnx.checker.check_model(fixed, full_check=True)
+    assert [i.name for i in fixed.graph.input] == [i.name for i in qdq.graph.input]
+    assert [o.name for o in fixed.graph.output] == [o.name for o in qdq.graph.output]
+    assert list(fixed.opset_import) == list(qdq.opset_import)
+    assert not any(p.key.startswith("pkg.onnxscript") for n in fixed.graph.node for p in n.metadata_props)
+    # Never less faithful to FP32 than the quantizer's own output.
+    assert report.fidelity["fixed"]["cosine"] >= report.fidelity["input"]["cosine"] - 2e-5, report.summary()
+    # Every Conv/MatMul/Gemm that ORT ran as integer before still does, and none runs float.
+    optimized = _testing.ort_optimized_op_types(fixed)
+    float_heavy = {op: optimized[op] for op in ("Conv", "FusedConv", "MatMul", "Gemm", "FusedGemm") if optimized[op]}
+    assert not float_heavy, (float_heavy, report.summary())
+    assert "PRelu" not in optimized
+
+
+@pytest.mark.parametrize("name", ["resnetish", "conv_add_relu", "concat", "conv_silu"])
+def test_default_int8_fan_out_nets_become_all_integer_like_uint8_quantization(name):
+    _, _, default = _quantized(name, "default")
+    _, _, u8 = _quantized(name, "u8s8")
+    assert _testing.ort_optimized_op_types(default)["Conv"] > 0  # the problem being fixed
+    fixed_ops = _testing.ort_optimized_op_types(kenosis_rewrite.fix(default))
+    u8_ops = _testing.ort_optimized_op_types(u8)
+    for op in ("QLinearConv", "QLinearAdd", "QLinearConcat", "QLinearSigmoid", "QLinearMul"):
+        assert fixed_ops[op] == u8_ops[op], op
+
+
+def test_symmetric_outputs_lose_every_relu_clip_island():
+    _, _, sym = _quantized("resnetish", "sym")
+    assert _testing.ort_optimized_op_types(sym)["Relu"] == 7
+    fixed = kenosis_rewrite.fix(sym)
+    optimized = _testing.ort_optimized_op_types(fixed)
+    assert optimized["Relu"] == 0 and optimized["QLinearConv"] == 7
+
+
+def test_fix_is_idempotent_and_deterministic():
+    _, _, qdq = _quantized("resnetish", "sym")
+    once = kenosis_rewrite.fix(qdq)
+    assert kenosis_rewrite.fix(qdq).SerializeToString() == once.SerializeToString()
+    twice, report = kenosis_rewrite.fix(once, return_report=True)
+    assert twice.SerializeToString() == once.SerializeToString()
+    assert not report.changes
+
+
+def test_kinds_in_and_out(tmp_path):
+    _, feeds, qdq = _quantized("conv_relu", "default")
+    path = tmp_path / "model.onnx"
+    onnx.save(qdq, path)
+    from_path = kenosis_rewrite.fix(str(path))
+    assert isinstance(from_path, onnx.ModelProto)
+    ir_model = ir.serde.deserialize_model(qdq)
+    ir_before = ir.serde.serialize_model(ir_model).SerializeToString()
+    from_ir = kenosis_rewrite.fix(ir_model)
+    assert isinstance(from_ir, ir.Model) and from_ir is not ir_model
+    assert ir.serde.serialize_model(ir_model).SerializeToString() == ir_before
+    np.testing.assert_array_equal(
+        _testing.outputs(from_path, feeds[0])[0], _testing.outputs(ir.serde.serialize_model(from_ir), feeds[0])[0]
+    )
+
+
+def test_metadata_and_doc_strings_survive():
+    _, _, qdq = _quantized("conv_relu", "sym")
+    onnx.helper.set_model_props(qdq, {"author": "me", "labels": "cat,dog"})
+    qdq.doc_string = "my model"
+    qdq.graph.doc_string = "graph doc"
+    fixed = kenosis_rewrite.fix(qdq)
+    assert {p.key: p.value for p in fixed.metadata_props} == {"author": "me", "labels": "cat,dog"}
+    assert fixed.doc_string == "my model" and fixed.graph.doc_string == "graph doc"
+
+
+def test_fix_pass_runs_in_a_pass_manager_after_onnxscript_optimizer():
+    _, feeds, qdq = _quantized("resnetish", "sym")
+    model = ir.serde.deserialize_model(qdq)
+    onnxscript.optimizer.optimize(model)
+    report = kenosis_rewrite.FixReport()
+    result = ir.passes.PassManager([kenosis_rewrite.FixPass("ort-cpu", report)])(model)
+    assert result.modified and report.change_counts()["fold-relu-island"] == 7
+    out = ir.serde.serialize_model(result.model)
+    onnx.checker.check_model(out, full_check=True)
+    assert _testing.ort_optimized_op_types(out)["Relu"] == 0
+
+
+def test_rules_are_an_onnxscript_rule_set_usable_alone():
+    _, _, qdq = _quantized("conv_prelu_uniform", "u8s8")
+    rule_set = kenosis_rewrite.rules("ort-cpu")
+    assert isinstance(rule_set, onnxscript.rewriter.RewriteRuleSet)
+    model = ir.serde.deserialize_model(qdq)
+    assert rule_set.apply_to_model(model) == 1
+    assert "LeakyRelu" in {node.op_type for node in model.graph}
+
+
+def test_unknown_target_is_a_typed_error():
+    _, _, qdq = _quantized("conv_relu", "default")
+    with pytest.raises(kenosis_rewrite.UnsupportedTargetError, match="known targets: ort-cpu"):
+        kenosis_rewrite.fix(qdq, target="tpu")
+
+
+def test_report_explains_changes_and_refusals():
+    _, _, qdq = _quantized("conv_relu", "default")
+    # make the output int8 Q a graph output: the u8 pass must refuse it and say why
+    q_output = next(n for n in qdq.graph.node if n.op_type == "QuantizeLinear").output[0]
+    inferred = onnx.shape_inference.infer_shapes(qdq)
+    shape = next(v for v in inferred.graph.value_info if v.name == q_output).type.tensor_type.shape
+    qdq.graph.output.append(onnx.helper.make_tensor_value_info(
+        q_output, onnx.TensorProto.INT8, [d.dim_value for d in shape.dim]))
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+    assert any("graph output" in r.reason for r in report.refusals)
+    assert "activation-int8-to-uint8" in report.summary()
+    assert report.to_dict()["change_counts"]["activation-int8-to-uint8"] >= 1
+    assert fixed.graph.output[-1].name == q_output
