@@ -1,0 +1,5 @@
+import sys
+
+from kenosis_rewrite.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""The ``kenosis-rewrite`` command line.
+
+    kenosis-rewrite fix IN.onnx OUT.onnx [--report] [--report-json R.json] [--float-model F.onnx]
+    kenosis-rewrite explain MODEL.onnx [--json]
+    kenosis-rewrite bench MODEL.onnx|zoo:NAME [...]
+
+Exit codes: 0 success, 1 the input was refused (a KenosisError; the message says why),
+2 bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import onnx
+
+from kenosis_rewrite.errors import KenosisError
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+
+
+def _fix(args: argparse.Namespace) -> int:
+    from kenosis_rewrite.pipeline import fix_with_report  # noqa: PLC0415
+
+    fixed, report = fix_with_report(args.input, target=args.target, float_model=args.float_model)
+    onnx.save(fixed, args.output)
+    if args.report:
+        print(report.summary())
+    if args.report_json:
+        with open(args.report_json, "w", encoding="utf-8") as handle:
+            handle.write(report.to_json())
+    counts = report.change_counts()
+    total = sum(counts.values())
+    print(f"wrote {args.output}: {total} change(s)" + (f" ({', '.join(f'{k} {v}' for k, v in counts.items())})" if counts else ""),
+          file=sys.stderr)
+    return EXIT_OK
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from kenosis_rewrite.explain import explain  # noqa: PLC0415
+
+    report = explain(args.model)
+    print(report.to_json() if args.json else report.summary())
+    return EXIT_OK
+
+
+def _bench(argv: list[str]) -> int:
+    from kenosis_rewrite.bench import bench_main  # noqa: PLC0415
+
+    return bench_main(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kenosis-rewrite",
+        description="Make INT8 QDQ ONNX models run in fused integer kernels on ONNX Runtime.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    fix = commands.add_parser("fix", help="rewrite a QDQ model for faster integer execution")
+    fix.add_argument("input", help="quantized (QDQ) .onnx model")
+    fix.add_argument("output", help="where to write the fixed model")
+    fix.add_argument("--target", default="ort-cpu", help="runtime to place Q/DQ for (default: ort-cpu)")
+    fix.add_argument("--float-model", help="FP32 original: report fidelity before/after against it")
+    fix.add_argument("--report", action="store_true", help="print what changed and what was left alone")
+    fix.add_argument("--report-json", metavar="PATH", help="write the report as JSON")
+    fix.set_defaults(handler=_fix)
+    explain = commands.add_parser("explain", help="which Conv/MatMul/Gemm ORT CPU runs as integer kernels, and why not")
+    explain.add_argument("model", help=".onnx model (quantized or not)")
+    explain.add_argument("--json", action="store_true", help="machine-readable output")
+    explain.set_defaults(handler=_explain)
+    commands.add_parser("bench", help="FP32 vs quantize_static vs fixed, measured side by side", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "bench":
+            return _bench(argv[1:])
+        args = _parser().parse_args(argv)
+        return args.handler(args)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
+        return int(exit_.code or 0)
+    except KenosisError as error:
+        print(f"kenosis-rewrite: error: {error}", file=sys.stderr)
+        return EXIT_REFUSED
+    except OSError as error:
+        print(f"kenosis-rewrite: error: {error}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The kenosis-rewrite command line: outputs, messages and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnx
+
+from kenosis_rewrite import _testing, cli, ort_quantize, toy_models
+
+
+def _save_quantized(tmp_path, config="sym"):
+    float_model = toy_models.build("conv_relu_maxpool")
+    qdq = ort_quantize.quantize_with_ort(float_model, toy_models.random_feeds(float_model, 4), config)
+    path = tmp_path / "model.qdq.onnx"
+    onnx.save(qdq, path)
+    onnx.save(float_model, tmp_path / "model.onnx")
+    return path
+
+
+def test_fix_writes_a_valid_faster_model_and_a_report(tmp_path, capsys):
+    source = _save_quantized(tmp_path)
+    target, report = tmp_path / "fixed.onnx", tmp_path / "report.json"
+    code = cli.main(["fix", str(source), str(target), "--report", "--report-json", str(report),
+                     "--float-model", str(tmp_path / "model.onnx")])
+    assert code == cli.EXIT_OK
+    fixed = onnx.load(target)
+    onnx.checker.check_model(fixed, full_check=True)
+    assert _testing.ort_optimized_op_types(fixed)["Relu"] == 0
+    printed = capsys.readouterr()
+    assert "fold-relu-island: 1 change(s)" in printed.out and "fidelity vs FP32" in printed.out
+    assert "wrote" in printed.err
+    data = json.loads(report.read_text())
+    assert data["change_counts"]["fold-relu-island"] == 1
+
+
+def test_refused_input_exits_1_with_a_message(tmp_path, capsys):
+    float_path = tmp_path / "float.onnx"
+    onnx.save(toy_models.build("conv_relu"), float_path)
+    assert cli.main(["fix", str(float_path), str(tmp_path / "out.onnx")]) == cli.EXIT_REFUSED
+    assert "kenosis-rewrite: error: The model has no QuantizeLinear" in capsys.readouterr().err
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_usage_errors_exit_2():
+    assert cli.main(["fix"]) == cli.EXIT_USAGE
+    assert cli.main(["frobnicate"]) == cli.EXIT_USAGE
+
+
+def test_console_entry_point_runs_as_module(tmp_path):
+    source = _save_quantized(tmp_path, "default")
+    result = subprocess.run(
+        [sys.executable, "-m", "kenosis_rewrite", "fix", str(source), str(tmp_path / "o.onnx")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "activation-int8-to-uint8" in result.stderr
