@@ -11,7 +11,7 @@ import onnxruntime as ort
 from kenosis_rewrite import _io
 from kenosis_rewrite.errors import RuntimeMeasurementError
 
-__all__ = ["random_feeds", "run", "cosine", "compare_to_float"]
+__all__ = ["random_feeds", "run", "cosine", "sqnr_db", "compare_to_float"]
 
 _NUMPY_OF_ONNX = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -71,15 +71,33 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / denominator)
 
 
+def sqnr_db(reference: np.ndarray, candidate: np.ndarray) -> float:
+    reference = np.asarray(reference, np.float64)
+    noise = float(np.sum((reference - candidate) ** 2))
+    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))
+
+
 def _scores(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> dict[str, float]:
-    cosines, max_abs = [], 0.0
-    for ref_outputs, outs in zip(reference, outputs):
-        for ref, out in zip(ref_outputs, outs):
-            if not np.issubdtype(np.asarray(ref).dtype, np.floating):
-                continue
-            cosines.append(cosine(ref, out))
-            max_abs = max(max_abs, float(np.max(np.abs(np.asarray(ref, np.float64) - out), initial=0.0)))
-    return {"cosine": float(np.min(cosines)) if cosines else 1.0, "max_abs": max_abs}
+    """Cosine and SQNR over all feeds' float outputs together, worst per-feed cosine, max abs error."""
+    refs, outs, per_feed = [], [], []
+    for ref_outputs, candidate_outputs in zip(reference, outputs):
+        pairs = [(np.asarray(r, np.float64).reshape(-1), np.asarray(c, np.float64).reshape(-1))
+                 for r, c in zip(ref_outputs, candidate_outputs) if np.issubdtype(np.asarray(r).dtype, np.floating)]
+        if not pairs:
+            continue
+        ref, out = np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+        refs.append(ref)
+        outs.append(out)
+        per_feed.append(cosine(ref, out))
+    if not refs:
+        return {"cosine": 1.0, "worst_cosine": 1.0, "sqnr_db": float("inf"), "max_abs": 0.0}
+    ref, out = np.concatenate(refs), np.concatenate(outs)
+    return {
+        "cosine": cosine(ref, out),
+        "worst_cosine": float(min(per_feed)),
+        "sqnr_db": sqnr_db(ref, out),
+        "max_abs": float(np.max(np.abs(ref - out), initial=0.0)),
+    }
 
 
 def compare_to_float(
@@ -87,7 +105,7 @@ def compare_to_float(
     candidates: Mapping[str, onnx.ModelProto],
     feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Worst-case cosine and max abs error of each candidate's float outputs against FP32."""
+    """Fidelity of each candidate's float outputs against FP32 (see ``_scores``)."""
     loaded = _io.load(float_model, require_qdq=False)
     reference_model = _io.to_output(_io.LoadedModel(loaded.model, "proto"))
     feeds = list(feeds) if feeds is not None else random_feeds(reference_model)

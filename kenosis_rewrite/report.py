@@ -77,7 +77,7 @@ class FixReport:
         for refusal in self.refusals:
             lines.append(f"    - {refusal.where}: {refusal.reason}")
         for name, scores in (self.fidelity or {}).items():
-            lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, max abs {scores['max_abs']:.4g}")
+            lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, SQNR {scores['sqnr_db']:.1f} dB, max abs {scores['max_abs']:.4g}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
