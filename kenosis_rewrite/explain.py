@@ -70,6 +70,8 @@ NO_INTEGER_KERNEL_ACTIVATIONS = frozenset({"HardSwish", "HardSigmoid", "PRelu", 
 ABSORBABLE_ACTIVATIONS = ("Relu", "Clip")
 # Heavy ops ORT fuses without an output Q (MatMulIntegerToFloat, QGemm with float output).
 FLOAT_OUTPUT_OK = frozenset({"MatMul", "Gemm"})
+# Heavy ops ORT CPU never fuses from QDQ (measured: DQ -> ConvTranspose -> Q stays float).
+NO_QDQ_FUSION_OPS = frozenset({"ConvTranspose"})
 EIGHT_BIT_ONNX = (onnx.TensorProto.UINT8, onnx.TensorProto.INT8)
 BIAS_RTOL = 1e-5
 
@@ -82,10 +84,10 @@ R_GRAPH_OUTPUT = "output not quantized (graph output)"
 R_ZP_NOT_QMIN = "zero point not qmin after Relu/Clip"
 R_ACTIVATION = "activation with no integer fusion between op and Q"
 R_DTYPE = "dtype mismatch"
-R_BIAS_FLOAT = "bias not int32 through a DequantizeLinear"
 R_STALE_BIAS = "stale bias scale"
-R_PER_CHANNEL_ZP = "per-channel weight zero points not all equal"
 R_PER_AXIS_ACTIVATION = "per-axis activation quantization"
+R_WEIGHT_ONLY = "weight-only MatMul not fused to MatMulNBits"
+R_NO_KERNEL = "no QDQ fusion for this op type on ORT CPU"
 R_UNKNOWN = "unknown (ORT did not fuse)"
 RULE_U8 = "activation-int8-to-uint8"
 RULE_STALE_BIAS = "requantize-stale-bias"
@@ -106,6 +108,7 @@ class HeavyOp:
     fixing_rule: str | None = None  # kenosis rule that removes ``reason``, when one exists
     detail: str | None = None  # the evidence behind ``reason`` (tensor names, parameters)
     other_reasons: tuple[str, ...] = ()  # further reasons found after the first
+    warning: str | None = None  # an integer op fused with a problem (e.g. a stale bias scale in QGemm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +171,9 @@ class FusionReport:
             lines.append(f"  float {op.op_type} {op.name!r} ({share:.1f}% of MACs): {op.reason}{fix}")
             if op.detail:
                 lines.append(f"        {op.detail}")
+        for op in self.ops:
+            if op.warning:
+                lines.append(f"  warning {op.op_type} {op.name!r}: {op.warning}")
         if self.float_islands:
             lines.append(f"Float islands in the ORT graph: {len(self.float_islands)}")
             for island in self.float_islands:
@@ -365,48 +371,40 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
 
 
 def _source_names(value: ir.Value | None) -> set[str]:
-    """Names of ``value`` and of the constants behind it through DQ/Transpose/Reshape/Cast chains."""
+    """Names along the DQ/Transpose/Reshape/Cast chain behind a constant ``value``; empty for activations."""
     names: set[str] = set()
-    seen = 0
-    while value is not None and seen < 4:
+    for _ in range(4):
+        if value is None:
+            return set()
         if value.name:
             names.add(value.name)
+        if value.is_initializer() or value.const_value is not None:
+            return names
         producer = value.producer()
         if producer is None or producer.op_type not in ("DequantizeLinear", "Transpose", "Reshape", "Cast"):
-            break
+            return set()
         value = _input(producer, 0)
-        seen += 1
-    return names
+    return set()
 
 
-def _activation_output(node: ir.Node) -> ir.Value | None:
-    """The output of a Relu/Clip that is the only consumer of ``node``'s output (ORT fuses it in)."""
+def _fused_consumer_output(node: ir.Node) -> ir.Value | None:
+    """The output of the single non-heavy consumer of ``node`` (ORT may fuse it in: FusedConv, Conv+Add)."""
     uses = list(node.outputs[0].uses())
-    if len(uses) == 1 and uses[0][0].op_type in ABSORBABLE_ACTIVATIONS:
+    if len(uses) == 1 and uses[0][0].op_type not in HEAVY_OPS and uses[0][0].outputs:
         return uses[0][0].outputs[0]
     return None
 
 
 def _heavy_keys(node: ir.Node) -> tuple[set[str], set[str]]:
-    """(parameter names, output names) that identify ``node`` in the optimized graph."""
+    """(constant parameter names, output names) that identify ``node`` in the optimized graph."""
     params: set[str] = set()
-    for index in (1, 2) if node.op_type in FLOAT_HEAVY_OPS else range(1, len(node.inputs)):
-        value = _input(node, index)
-        if value is not None and (value.is_initializer() or value.producer() is not None):
-            params |= {n for n in _source_names(value) if _is_constant_name(value, n)}
-    if node.op_type == "MatMul":
-        params |= {n for n in _source_names(_input(node, 0)) if _is_constant_name(_input(node, 0), n)}
+    for value in node.inputs[1:] if node.op_type != "MatMul" else node.inputs:
+        params |= _source_names(value)
     outputs = {v.name for v in node.outputs if v.name}
-    fused = _activation_output(node)
+    fused = _fused_consumer_output(node)
     if fused is not None and fused.name:
         outputs.add(fused.name)
     return params, outputs
-
-
-def _is_constant_name(value: ir.Value, name: str) -> bool:
-    """Whether ``name`` (found behind ``value``) is an initializer: activations are never keys."""
-    graph = value.graph or (value.producer().graph if value.producer() is not None else None)
-    return graph is not None and name in graph.initializers
 
 
 def _is_compute_candidate(node: onnx.NodeProto) -> bool:
@@ -621,9 +619,14 @@ def _check_missing(node: ir.Node, x_dq, w_dq, activation, out_q, users) -> list[
         missing.append(f"input {_input(node, x_i).name!r} has no DequantizeLinear")
     if w_dq is None:
         missing.append(f"weight {_input(node, w_i).name!r} has no DequantizeLinear")
-    reasons = [_Reason(R_MISSING, None, "; ".join(missing) + " (not quantized by the quantizer)")] if missing else []
+    w_p = _params(w_dq)
+    if x_dq is None and w_p is not None and w_p.dtype not in _qdq.EIGHT_BIT and node.op_type == "MatMul":
+        missing = []  # weight-only quantization: a float input is expected
+        reasons = [_Reason(R_WEIGHT_ONLY, None, f"{w_p.describe()} weight with a float input was not fused into MatMulNBits")]
+    else:
+        reasons = [_Reason(R_MISSING, None, "; ".join(missing) + " (not quantized by the quantizer)")] if missing else []
     output = node.outputs[0]
-    if output.is_graph_output():
+    if output.is_graph_output() and node.op_type not in FLOAT_OUTPUT_OK:
         reasons.append(_Reason(R_GRAPH_OUTPUT, None, f"{output.name!r} is a graph output; ORT never fuses an op producing one"))
     elif out_q is None:
         reasons.extend(_output_without_q(node, activation, users))
@@ -647,17 +650,17 @@ def _output_without_q(node: ir.Node, activation: ir.Node | None, users: list[ir.
     return [_Reason(R_MISSING, None, f"output {output.name!r} has no QuantizeLinear")]
 
 
-def _check_types(x_p, w_p, y_p, b_p) -> list[_Reason]:
+def _check_types(x_p, w_p, y_p) -> list[_Reason]:
+    """Non-8-bit or blocked activation/weight Q/DQ: no ORT CPU kernel takes them."""
     bad = []
     for role, params in (("input", x_p), ("weight", w_p), ("output", y_p)):
         if params is not None and params.dtype not in _qdq.EIGHT_BIT:
             bad.append(f"{role} {_type_name(params)}")
         elif params is not None and params.block_size:
             bad.append(f"{role} blocked (block_size={params.block_size})")
-    if b_p is not None and b_p.dtype != ir.DataType.INT32:
-        return [_Reason(R_UNSUPPORTED_TYPE, None, ", ".join(bad + [f"bias {_type_name(b_p)}"]))] if bad else [
-            _Reason(R_BIAS_FLOAT, None, f"bias is {_type_name(b_p)}, ORT needs int32")]
-    return [_Reason(R_UNSUPPORTED_TYPE, None, ", ".join(bad) + " (ORT CPU fuses only 8-bit Q/DQ)")] if bad else []
+    if not bad:
+        return []
+    return [_Reason(R_UNSUPPORTED_TYPE, None, ", ".join(bad) + " (ORT CPU fuses only 8-bit Q/DQ)")]
 
 
 def _check_int8(x_dq, x_eff, out_q, y_eff) -> list[_Reason]:
@@ -726,8 +729,8 @@ def _check_bias(node: ir.Node, x_p, w_p) -> list[_Reason]:
     if bias is None or x_p is None or w_p is None:
         return []
     b_dq = _dq_of(bias)
-    if b_dq is None:
-        return [_Reason(R_BIAS_FLOAT, None, f"bias {bias.name!r} is float; ORT needs it int32 through a DequantizeLinear")]
+    if b_dq is None:  # ORT's WeightBiasQuantization quantizes a float bias itself (measured)
+        return []
     b_p = _qdq.quant_params(b_dq)
     if b_p is None or b_p.dtype != ir.DataType.INT32:
         return []
@@ -741,15 +744,12 @@ def _check_bias(node: ir.Node, x_p, w_p) -> list[_Reason]:
                     f"bias scale {actual.reshape(-1)[0]:.6g} != input scale x weight scale {expected.reshape(-1)[0]:.6g}")]
 
 
-def _check_per_axis(node: ir.Node, x_p, w_p, y_p) -> list[_Reason]:
+def _check_per_axis(x_p, y_p) -> list[_Reason]:
+    """Per-axis activation Q/DQ (measured: the Conv stays float); per-channel *weights* are fine."""
     reasons = []
     for role, params in (("input", x_p), ("output", y_p)):
         if params is not None and not params.is_per_tensor:
             reasons.append(_Reason(R_PER_AXIS_ACTIVATION, None, f"{role} is quantized per axis; ORT needs scalar activation parameters"))
-    if node.op_type == "Conv" and w_p is not None and not w_p.is_per_tensor:
-        zps = np.asarray(w_p.zero_point).reshape(-1)
-        if zps.size and not np.all(zps == zps[0]):
-            reasons.append(_Reason(R_PER_CHANNEL_ZP, None, "QLinearConv requires one weight zero point for all channels"))
     return reasons
 
 
@@ -760,9 +760,8 @@ def explain_float_op(node: ir.Node) -> list[_Reason]:
     activation, out_q, users = _output_quantizer(node)
     reasons = _check_missing(node, x_dq, w_dq, activation, out_q, users)
     x_p, w_p, y_p = _params(x_dq), _params(w_dq), _params(out_q)
-    b_dq = _dq_of(_input(node, 2)) if node.op_type in ("Conv", "Gemm", "ConvTranspose") else None
-    reasons += _check_types(x_p, w_p, y_p, _params(b_dq))
-    if any(r.text == R_UNSUPPORTED_TYPE for r in reasons):
+    reasons += _check_types(x_p, w_p, y_p)
+    if any(r.text in (R_UNSUPPORTED_TYPE, R_WEIGHT_ONLY) for r in reasons):
         return _dedupe(reasons)
     x_eff = _effective_dtype(x_dq, _input(x_dq, 0)) if x_dq is not None else (ir.DataType.UNDEFINED, None)
     y_eff = _effective_dtype(out_q, out_q.outputs[0]) if out_q is not None else (ir.DataType.UNDEFINED, None)
@@ -770,7 +769,9 @@ def explain_float_op(node: ir.Node) -> list[_Reason]:
     reasons += _check_activation(activation, out_q, y_p)
     reasons += _check_dtype(x_eff, y_eff, x_p, y_p)
     reasons += _check_bias(node, x_p, w_p)
-    reasons += _check_per_axis(node, x_p, w_p, y_p)
+    reasons += _check_per_axis(x_p, y_p)
+    if node.op_type in NO_QDQ_FUSION_OPS and x_dq is not None and w_dq is not None:
+        reasons.append(_Reason(R_NO_KERNEL, None, f"ORT CPU has no QLinear{node.op_type} fusion; it runs float"))
     return _dedupe(reasons) or [_Reason(R_UNKNOWN, None, "no known blocker found in the input graph")]
 
 
@@ -805,12 +806,24 @@ def _int8_boundary(graph: onnx.GraphProto, group: Sequence[int]) -> bool:
     return False
 
 
+def _between_dq_and_q(graph: onnx.GraphProto, group: Sequence[int]) -> bool:
+    """Whether a DequantizeLinear feeds the island and a QuantizeLinear reads from it."""
+    members = set(group)
+    outputs = {o for i in members for o in graph.node[i].output}
+    inputs = {name for i in members for name in graph.node[i].input}
+    dq_in = any(n.op_type == "DequantizeLinear" and n.output[0] in inputs for n in graph.node)
+    q_out = any(n.op_type == "QuantizeLinear" and n.input[0] in outputs for n in graph.node)
+    return dq_in and q_out
+
+
 def _island_reason(op_types: Sequence[str], names: Sequence[str], kind: str, input_nodes: dict[str, ir.Node],
-                   heavy: Sequence[HeavyOp], int8_edge: bool) -> tuple[str | None, str | None]:
+                   heavy: Sequence[HeavyOp], int8_edge: bool, bounded: bool) -> tuple[str | None, str | None]:
     """What a float island is made of and which rule removes it (None when it should stay)."""
     floats = [op for op in heavy if op.kernel == "float"]
     if floats:
         return f"float {floats[0].op_type}: {floats[0].reason}", floats[0].fixing_rule
+    if not bounded and kind == "compute":
+        return None, None  # float code outside the quantized region (graph input/output side)
     if int8_edge:
         return "int8 activations at its edge (a fan-out tensor ORT kept int8, no int8 kernels on x86)", RULE_U8
     for op_type in ABSORBABLE_ACTIVATIONS:
@@ -849,7 +862,8 @@ def _build_islands(graph: onnx.GraphProto, ops: list[HeavyOp], matched: dict[str
         op_types = tuple(graph.node[i].op_type for i in group)
         kind = "compute" if set(op_types) - TRIVIAL_OPS - QDQ_OPS else "requantize"
         heavy = [op for name in nodes for op in by_opt_name.get(name, [])]
-        reason, rule = _island_reason(op_types, nodes, kind, input_nodes, heavy, _int8_boundary(graph, group))
+        reason, rule = _island_reason(op_types, nodes, kind, input_nodes, heavy, _int8_boundary(graph, group),
+                                      kind == "requantize" or _between_dq_and_q(graph, group))
         islands.append(FloatIsland(nodes, op_types, tuple(op.name for op in heavy), kind, reason, rule))
     return islands
 
@@ -863,13 +877,24 @@ def _heavy_nodes(model: ir.Model) -> list[ir.Node]:
     return [node for node in model.graph if node.op_type in HEAVY_OPS]
 
 
+def _integer_warning(node: ir.Node) -> str | None:
+    """A problem ORT fused anyway: a Gemm with a stale int32 bias scale runs with wrong numerics (measured)."""
+    if node.op_type not in FLOAT_HEAVY_OPS:
+        return None
+    x_i, w_i = _weight_and_input(node)
+    stale = _check_bias(node, _params(_dq_of(_input(node, x_i))), _params(_dq_of(_input(node, w_i))))
+    if not stale:
+        return None
+    return f"{R_STALE_BIAS} (fused anyway, numerics off: {stale[0].detail}) -> fix: {RULE_STALE_BIAS}"
+
+
 def _classify(node: ir.Node, optimized: Sequence[onnx.NodeProto]) -> tuple[HeavyOp, onnx.NodeProto | None]:
     match = match_optimized(node, optimized)
     name = node.name or (node.outputs[0].name or node.op_type)
     macs = heavy_op_macs(node)
     if node.op_type in INTEGER_KERNELS or (match is not None and match.op_type in INTEGER_KERNELS):
         label = _label(match) if match is not None else node.op_type
-        return HeavyOp(name, node.op_type, macs, "integer", label), match
+        return HeavyOp(name, node.op_type, macs, "integer", label, warning=_integer_warning(node)), match
     reasons = explain_float_op(node)
     first = reasons[0]
     return HeavyOp(
