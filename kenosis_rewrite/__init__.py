@@ -21,21 +21,15 @@ from kenosis_rewrite.errors import (
     UnsupportedTargetError,
     ZooError,
 )
+from kenosis_rewrite.explain import FusionReport, explain
 from kenosis_rewrite.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
 from kenosis_rewrite.report import FixReport
 
 __version__ = "0.1.0"
 
 
-def explain(model, **kwargs):
-    """Which Conv/ConvTranspose/MatMul/Gemm ORT CPU runs as integer kernels, and why not; see :mod:`kenosis_rewrite.explain`."""
-    from kenosis_rewrite.explain import explain as _explain  # noqa: PLC0415 - keeps import light
-
-    return _explain(model, **kwargs)
-
-
 __all__ = [
-    "TARGETS", "FixPass", "FixReport", "fix", "fix_with_report", "rules", "explain",
+    "TARGETS", "FixPass", "FixReport", "FusionReport", "fix", "fix_with_report", "rules", "explain",
     "KenosisError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
     "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
     "UnsupportedTargetError", "ZooError",
