@@ -65,7 +65,9 @@ QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 # Quantized-output ops whose output stays an integer tensor.
 _INTEGER_OUTPUT_OPS = frozenset({"DynamicQuantizeLinear", "NhwcMaxPool"})
 # Float activations ORT CPU has no QLinear kernel for (they stay float islands in a QDQ graph).
-NO_INTEGER_KERNEL_ACTIVATIONS = frozenset({"HardSwish", "HardSigmoid", "PRelu", "Gelu", "Erf", "Div", "Tanh", "Elu", "Selu", "Softplus", "Mish"})
+NO_INTEGER_KERNEL_ACTIVATIONS = frozenset(
+    {"HardSwish", "HardSigmoid", "PRelu", "Gelu", "Erf", "Div", "Tanh", "Elu", "Selu", "Softplus", "Mish"}
+)
 # Activations ORT absorbs into QLinearConv/QLinearMatMul/QGemm when the next Q makes them redundant.
 ABSORBABLE_ACTIVATIONS = ("Relu", "Clip")
 # Heavy ops ORT fuses without an output Q (MatMulIntegerToFloat, QGemm with float output).
@@ -434,30 +436,39 @@ def match_optimized(heavy: ir.Node, optimized: Sequence[onnx.NodeProto]) -> onnx
 # --------------------------------------------------------------------------------------------
 
 
+_INTEGER_TYPES = frozenset(
+    {
+        onnx.TensorProto.UINT8, onnx.TensorProto.INT8, onnx.TensorProto.INT32, onnx.TensorProto.UINT16,
+        onnx.TensorProto.INT16, onnx.TensorProto.INT4, onnx.TensorProto.UINT4,
+    }
+)
+# Integer kernels whose output is float (they dequantize internally).
+_FLOAT_OUTPUT_KERNELS = frozenset({"MatMulIntegerToFloat", "DynamicQuantizeMatMul", "MatMulNBits"})
+
+
+def _is_integer_node(node: onnx.NodeProto, integer_tensors: set[str]) -> bool:
+    """Integer kernels, QLinear* ops, and ops that pass quantized integers through (NhwcMaxPool, Flatten...)."""
+    if node.op_type in QDQ_OPS:
+        return False
+    if node.op_type in INTEGER_KERNELS or node.op_type.startswith("QLinear") or node.op_type in _INTEGER_OUTPUT_OPS:
+        return True
+    return bool(node.input) and node.input[0] in integer_tensors and node.op_type != "Cast"
+
+
+def _has_integer_output(node: onnx.NodeProto) -> bool:
+    if node.op_type == "QGemm":
+        return len(node.input) > 7  # with y_scale/y_zero_point it requantizes its output
+    return node.op_type not in _FLOAT_OUTPUT_KERNELS
+
+
 def _integer_tensors(graph: onnx.GraphProto) -> set[str]:
-    """Tensors of the optimized graph that hold quantized integers (propagated through pass-through ops)."""
-    integer_types = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8, onnx.TensorProto.INT32,
-                     onnx.TensorProto.UINT16, onnx.TensorProto.INT16, onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
-    names = {t.name for t in graph.initializer if t.data_type in integer_types}
-    names |= {v.name for v in graph.input if v.type.tensor_type.elem_type in integer_types}
+    """Tensors of the optimized graph that hold quantized integers (propagated in topological order)."""
+    names = {t.name for t in graph.initializer if t.data_type in _INTEGER_TYPES}
+    names |= {v.name for v in graph.input if v.type.tensor_type.elem_type in _INTEGER_TYPES}
     for node in graph.node:
-        if node.op_type == "QuantizeLinear" or node.op_type.startswith("QLinear") or node.op_type in _INTEGER_OUTPUT_OPS:
-            names.update(node.output)
-        elif node.op_type in ("MatMulInteger", "ConvInteger"):
-            names.update(node.output)
-        elif node.op_type == "QGemm" and len(node.input) > 7:
-            names.update(node.output)
-        elif _is_pass_through_on_integers(node, names):
+        if node.op_type == "QuantizeLinear" or (_is_integer_node(node, names) and _has_integer_output(node)):
             names.update(node.output)
     return names
-
-
-def _is_pass_through_on_integers(node: onnx.NodeProto, integer: set[str]) -> bool:
-    if node.op_type in QDQ_OPS or node.op_type in INTEGER_KERNELS or not node.input:
-        return False
-    if node.op_type == "Cast":
-        return False
-    return node.input[0] in integer
 
 
 def _node_kinds(graph: onnx.GraphProto) -> dict[int, str]:
@@ -467,12 +478,7 @@ def _node_kinds(graph: onnx.GraphProto) -> dict[int, str]:
     for index, node in enumerate(graph.node):
         if node.op_type in QDQ_OPS:
             kinds[index] = "qdq"
-        elif (
-            node.op_type in INTEGER_KERNELS
-            or node.op_type.startswith("QLinear")
-            or node.op_type in _INTEGER_OUTPUT_OPS
-            or (node.input and node.input[0] in integer and node.op_type != "Cast")
-        ):
+        elif _is_integer_node(node, integer):
             kinds[index] = "integer"
         elif node.op_type in TRIVIAL_OPS:
             kinds[index] = "trivial"
@@ -622,12 +628,15 @@ def _check_missing(node: ir.Node, x_dq, w_dq, activation, out_q, users) -> list[
     w_p = _params(w_dq)
     if x_dq is None and w_p is not None and w_p.dtype not in _qdq.EIGHT_BIT and node.op_type == "MatMul":
         missing = []  # weight-only quantization: a float input is expected
-        reasons = [_Reason(R_WEIGHT_ONLY, None, f"{w_p.describe()} weight with a float input was not fused into MatMulNBits")]
+        detail = f"{w_p.describe()} weight with a float input was not fused into MatMulNBits"
+        reasons = [_Reason(R_WEIGHT_ONLY, None, detail)]
     else:
-        reasons = [_Reason(R_MISSING, None, "; ".join(missing) + " (not quantized by the quantizer)")] if missing else []
+        detail = "; ".join(missing) + " (not quantized by the quantizer)"
+        reasons = [_Reason(R_MISSING, None, detail)] if missing else []
     output = node.outputs[0]
     if output.is_graph_output() and node.op_type not in FLOAT_OUTPUT_OK:
-        reasons.append(_Reason(R_GRAPH_OUTPUT, None, f"{output.name!r} is a graph output; ORT never fuses an op producing one"))
+        detail = f"{output.name!r} is a graph output; ORT never fuses an op producing one"
+        reasons.append(_Reason(R_GRAPH_OUTPUT, None, detail))
     elif out_q is None:
         reasons.extend(_output_without_q(node, activation, users))
     return reasons
@@ -637,12 +646,14 @@ def _output_without_q(node: ir.Node, activation: ir.Node | None, users: list[ir.
     """Why the op's output reaches no QuantizeLinear (MatMul/Gemm may legally end in float)."""
     output = node.outputs[0]
     if activation is not None and activation.outputs and activation.outputs[0].is_graph_output():
-        return [_Reason(R_GRAPH_OUTPUT, None, f"{activation.op_type} output {activation.outputs[0].name!r} is a graph output")]
+        detail = f"{activation.op_type} output {activation.outputs[0].name!r} is a graph output"
+        return [_Reason(R_GRAPH_OUTPUT, None, detail)]
     if node.op_type in FLOAT_OUTPUT_OK:
         return []
     if len(users) > 1:
         names = ", ".join(sorted(u.op_type for u in users))
-        return [_Reason(R_MISSING, None, f"output {output.name!r} is read by {len(users)} ops ({names}) without a QuantizeLinear")]
+        detail = f"output {output.name!r} is read by {len(users)} ops ({names}) without a QuantizeLinear"
+        return [_Reason(R_MISSING, None, detail)]
     if activation is not None and activation.op_type not in ABSORBABLE_ACTIVATIONS:
         return [_Reason(R_ACTIVATION, None,
                         f"{activation.op_type} follows the op with no QuantizeLinear in between; ORT only absorbs "
@@ -741,7 +752,8 @@ def _check_bias(node: ir.Node, x_p, w_p) -> list[_Reason]:
     if np.allclose(actual, expected, rtol=BIAS_RTOL, atol=0.0):
         return []
     return [_Reason(R_STALE_BIAS, RULE_STALE_BIAS,
-                    f"bias scale {actual.reshape(-1)[0]:.6g} != input scale x weight scale {expected.reshape(-1)[0]:.6g}")]
+                    f"bias scale {actual.reshape(-1)[0]:.6g} != input scale x weight scale "
+                    f"{expected.reshape(-1)[0]:.6g}")]
 
 
 def _check_per_axis(x_p, y_p) -> list[_Reason]:
@@ -749,7 +761,8 @@ def _check_per_axis(x_p, y_p) -> list[_Reason]:
     reasons = []
     for role, params in (("input", x_p), ("output", y_p)):
         if params is not None and not params.is_per_tensor:
-            reasons.append(_Reason(R_PER_AXIS_ACTIVATION, None, f"{role} is quantized per axis; ORT needs scalar activation parameters"))
+            detail = f"{role} is quantized per axis; ORT needs scalar activation parameters"
+            reasons.append(_Reason(R_PER_AXIS_ACTIVATION, None, detail))
     return reasons
 
 
@@ -910,6 +923,8 @@ def explain(model: _io.ModelLike, *, threads: int = 1) -> FusionReport:
     ``KenosisError`` subclass for input that is not an ONNX model, and ``RuntimeMeasurementError``
     when ONNX Runtime cannot build a session for it.
     """
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
     loaded = _io.load(model, require_qdq=False)
     with tempfile.TemporaryDirectory(prefix="kenosis_explain_") as directory:
         optimized = optimized_graph(loaded.model, directory, threads)
