@@ -26,7 +26,12 @@ from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
 from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
 from kenosis_rewrite.report import FixReport
-from kenosis_rewrite.rules.activation_islands import FoldClipIsland, FoldReluIsland
+from kenosis_rewrite.rules.activation_islands import (
+    ClipZeroPointToQmin,
+    FoldClipIsland,
+    FoldReluIsland,
+    ReluZeroPointToQmin,
+)
 from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
 
 __all__ = ["TARGETS", "FixPass", "rules", "fix", "fix_with_report"]
@@ -52,6 +57,8 @@ def rules(target: str = "ort-cpu", report: FixReport | None = None) -> RewriteRu
         [
             FoldReluIsland.rule(report),
             FoldClipIsland.rule(report),
+            ReluZeroPointToQmin.rule(report),
+            ClipZeroPointToQmin.rule(report),
             PReluToLeakyRelu.rule(report),
             PReluToReluMin.rule(report),
         ]

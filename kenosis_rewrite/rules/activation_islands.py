@@ -37,12 +37,18 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter._rewrite_rule import RULE_NAME_TAG, RewriteRuleClassBase, RewriteRuleSet
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport
 
-__all__ = ["FoldReluIsland", "FoldClipIsland", "activation_island_rules"]
+_RULE_NAMES = frozenset(
+    {"fold-relu-island", "fold-clip-island", "relu-zero-point-to-qmin", "clip-zero-point-to-qmin"}
+)
+
+__all__ = [
+    "FoldReluIsland", "FoldClipIsland", "ReluZeroPointToQmin", "ClipZeroPointToQmin", "activation_island_rules",
+]
 
 
 def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None] | str:
@@ -80,23 +86,44 @@ class _FoldActivationIsland(RewriteRuleClassBase):
     def _upper_bound(self, activation: ir.Node, representable: float) -> float | str:
         return representable
 
+    def _redundant_before(self, activation: ir.Node, params: _qdq.QuantParams) -> bool:
+        """ORT's own test (ReluQuantFusion): a Relu before Q is redundant when zp == qmin."""
+        return params.scalar_zero_point == params.qmin
+
     def _fail(self, where: str, reason: str) -> MatchResult:
         if self.report is not None:
             self.report.refused(self.name, where, reason)
         return MatchResult().fail(reason)
 
-    def check(self, context, x, q1, dq1, act, q2, **_) -> MatchResult:
-        del context
-        q1_node, dq1_node, act_node, q2_node = (v.producer() for v in (q1, dq1, act, q2))
-        where = act_node.name or act.name or self.activation
-        p1, pd, p2 = (_qdq.quant_params(n) for n in (q1_node, dq1_node, q2_node))
-        if p1 is None or pd is None or p2 is None:
+    def _check_input_side(self, where: str, x, q1, dq1) -> MatchResult | None:
+        """Conditions on the pre-activation Q/DQ pair; None when they hold."""
+        p1, pd = _qdq.quant_params(q1.producer()), _qdq.quant_params(dq1.producer())
+        if p1 is None or pd is None:
             return self._fail(where, "quantization parameters are not constants")
-        for params in (p1, p2):
-            if not params.is_per_tensor or params.dtype not in _qdq.EIGHT_BIT:
-                return self._fail(where, f"only per-tensor 8-bit activations are folded, got {params.describe()}")
+        if not p1.is_per_tensor or p1.dtype not in _qdq.EIGHT_BIT:
+            return self._fail(where, f"only per-tensor 8-bit activations are folded, got {p1.describe()}")
         if not pd.same_as(p1):
             return self._fail(where, "the pre-activation DequantizeLinear disagrees with its QuantizeLinear")
+        return None
+
+    def check(self, context, x, act, q2, q1=None, dq1=None, **_) -> MatchResult:
+        del context
+        act_node, q2_node = act.producer(), q2.producer()
+        where = act_node.name or act.name or self.activation
+        if q2_node.metadata_props.get(RULE_NAME_TAG, "").split(",")[-1] in _RULE_NAMES:
+            return MatchResult().fail("already rewritten by an activation rule in this pass")
+        if q1 is not None:
+            failure = self._check_input_side(where, x, q1, dq1)
+            if failure is not None:
+                return failure
+        p2 = _qdq.quant_params(q2_node)
+        if p2 is None:
+            return self._fail(where, "quantization parameters are not constants")
+        if not p2.is_per_tensor or p2.dtype not in _qdq.EIGHT_BIT:
+            return self._fail(where, f"only per-tensor 8-bit activations are folded, got {p2.describe()}")
+        if q1 is None:
+            if _qdq.is_dequantize(x.producer()):
+                return self._fail(where, "the activation reads a DequantizeLinear: a float island, not a fused output")
         if x.producer() is None or len(x.uses()) != 1:
             return self._fail(where, f"pre-activation tensor {x.name!r} is a graph input or has other consumers")
         if q2.is_graph_output():
@@ -114,13 +141,16 @@ class _FoldActivationIsland(RewriteRuleClassBase):
         upper = self._upper_bound(act_node, representable)
         if isinstance(upper, str):
             return self._fail(where, upper)
+        if q1 is None and self._redundant_before(act_node, p2):
+            return MatchResult().fail("already fused: the quantizer makes the activation redundant")
         if self.report is not None:
             self.report.forget_refusals_at(self.name, where)
         return MatchResult()
 
-    def rewrite(self, op, x, q1, dq1, act, q2, **_):
+    def rewrite(self, op, x, act, q2, q1=None, dq1=None, **_):
         act_node, q2_node = act.producer(), q2.producer()
-        p1, p2 = _qdq.quant_params(q1.producer()), _qdq.quant_params(q2_node)
+        p2 = _qdq.quant_params(q2_node)
+        p1 = _qdq.quant_params(q1.producer()) if q1 is not None else p2
         upper = self._upper_bound(act_node, p2.scalar_scale * (p2.qmax - p2.scalar_zero_point))
         new_scale = np.asarray(upper / (p2.qmax - p2.qmin), dtype=p2.scale.dtype)
         graph = q2_node.graph
@@ -131,8 +161,12 @@ class _FoldActivationIsland(RewriteRuleClassBase):
         zero_point = op.initializer(
             _qdq.integer_tensor(np.full(p2.zero_point.shape, p2.qmin), p2.dtype, zp_name), name=zp_name
         )
-        activated = op.op(self.activation, x, *act_node.inputs[1:], **dict(act_node.attributes))
-        quantized = op.op("QuantizeLinear", activated, scale, zero_point, **dict(q2_node.attributes))
+        activated = op.op(
+            self.activation, x, *act_node.inputs[1:], _name=act_node.name, **dict(act_node.attributes)
+        )
+        quantized = op.op(
+            "QuantizeLinear", activated, scale, zero_point, _name=q2_node.name, **dict(q2_node.attributes)
+        )
         # The DQs after the old Q are outside the matched pattern; they must read the new parameters.
         for consumer in _qdq.dequantize_consumers(q2) or []:
             consumer.replace_input_with(1, scale)
@@ -142,6 +176,8 @@ class _FoldActivationIsland(RewriteRuleClassBase):
                 float(new_scale) == p1.scalar_scale == p2.scalar_scale and p2.scalar_zero_point == p2.qmin
             )
             how = "exact" if exact else f"requantized: {p1.describe()} | {p2.describe()} ->"
+            if q1 is None:
+                how = f"requantized: {p2.describe()} ->"
             self.report.changed(
                 self.name, act_node.name or str(act.name),
                 f"{how} {p2.dtype.name.lower()} s={float(new_scale):.6g} zp={p2.qmin}", exact=exact,
@@ -153,6 +189,22 @@ def _set_zero_point(node: ir.Node, value: ir.Value) -> None:
     if len(node.inputs) < 3:
         node.resize_inputs(3)
     node.replace_input_with(2, value)
+
+
+class _OutputZeroPointToQmin(_FoldActivationIsland):
+    """The same requantization when nothing sits between the producer and the activation.
+
+    ``x -> Act -> Q(s, z)`` with ``z != qmin`` ==> ``x -> Act -> Q(s', qmin)``: ORT otherwise keeps
+    the activation and runs the producer as a float FusedConv (2.5-6x slower).
+    """
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__(report)
+        self.name = f"{self.activation.lower()}-zero-point-to-qmin"
+
+    def pattern(self, op, x):
+        activated = getattr(op, self.activation)(x, _allow_other_inputs=True, _outputs=["act"])
+        return op.QuantizeLinear(activated, _allow_other_inputs=True, _outputs=["q2"])
 
 
 class FoldReluIsland(_FoldActivationIsland):
@@ -177,7 +229,35 @@ class FoldClipIsland(_FoldActivationIsland):
             return f"Clip upper bound {hi} leaves no positive range"
         return representable if hi is None else min(hi, representable)
 
+    def _redundant_before(self, activation: ir.Node, params: _qdq.QuantParams) -> bool:
+        """ORT's own test (ClipQuantFusion): both bounds fall outside the quantizer's range."""
+        bounds = _clip_bounds(activation)
+        if isinstance(bounds, str):
+            return False
+        lo, hi = bounds
+        scale, zero_point = params.scalar_scale, params.scalar_zero_point
+        lo_ok = lo is None or np.rint(lo / scale) + zero_point <= params.qmin
+        hi_ok = hi is None or np.rint(hi / scale) + zero_point >= params.qmax
+        return bool(lo_ok and hi_ok)
+
+
+class ReluZeroPointToQmin(_OutputZeroPointToQmin):
+    """``Relu -> Q(z != qmin)`` ==> ``Relu -> Q(zp = qmin)``; see the module docstring."""
+
+    activation = "Relu"
+
+
+class ClipZeroPointToQmin(_OutputZeroPointToQmin):
+    """``Clip(0, M) -> Q`` whose range is not at ``[qmin, ..]`` ==> ``Q(zp = qmin)``; see above."""
+
+    activation = "Clip"
+    _upper_bound = FoldClipIsland._upper_bound
+    _redundant_before = FoldClipIsland._redundant_before
+
 
 def activation_island_rules(report: FixReport | None = None) -> RewriteRuleSet:
-    """The Relu and Clip island rules, recording into ``report`` when given."""
-    return RewriteRuleSet([FoldReluIsland.rule(report), FoldClipIsland.rule(report)])
+    """The Relu and Clip rules, islands first, recording into ``report`` when given."""
+    return RewriteRuleSet([
+        FoldReluIsland.rule(report), FoldClipIsland.rule(report),
+        ReluZeroPointToQmin.rule(report), ClipZeroPointToQmin.rule(report),
+    ])

@@ -141,3 +141,44 @@ def test_quantize_static_islands_fold_on_toy_models(name, config):
     activations = [n for n in fixed.graph.node if n.op_type in ("Relu", "Clip")]
     for act in activations:  # every activation now reads the weighted op directly
         assert _testing.producer_of(fixed, act.input[0]).op_type in ("Conv", "MatMul", "Gemm")
+
+
+FUSED_OUTPUT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,4,4] x) => (float[1,2,4,4] y)
+<float sx = {{0.02}}, uint8 zx = {{128}}, int8[2,2,1,1] w = {{60, -30, 20, 90}}, float sw = {{0.01}},
+ int8 zw = {{0}}, float s2 = {{{s2}}}, uint8 z2 = {{{z2}}}, float lo = {{0.0}}, float hi = {{{hi}}}>
+{{
+  qx = QuantizeLinear(x, sx, zx)
+  dx = DequantizeLinear(qx, sx, zx)
+  dw = DequantizeLinear(w, sw, zw)
+  c = Conv(dx, dw)
+  a = {act}
+  q2 = QuantizeLinear(a, s2, z2)
+  y = DequantizeLinear(q2, s2, z2)
+}}
+"""
+
+
+@pytest.mark.parametrize("act, z2, hi, rule", [
+    ("Relu(c)", 100, 6.0, "relu-zero-point-to-qmin"),
+    ("Clip(c, lo, hi)", 100, 6.0, "clip-zero-point-to-qmin"),
+    ("Clip(c, lo, hi)", 0, 0.5, "clip-zero-point-to-qmin"),  # zp already qmin, but Q range wider than Clip
+])
+def test_output_zero_point_moves_to_qmin_so_ort_fuses_the_conv(act, z2, hi, rule):
+    proto = onnx.parser.parse_model(FUSED_OUTPUT.format(act=act, s2=0.01, z2=z2, hi=hi))
+    assert "QLinearConv" not in _testing.ort_optimized_op_types(proto)  # float FusedConv before
+    fixed, report, count = _apply(proto)
+    assert count == 1 and [c.rule for c in report.changes] == [rule]
+    q = _testing.producer_of(fixed, _testing.producer_of(fixed, "y").input[0])
+    assert int(_testing.initializer(fixed, q.input[2])) == 0
+    assert _testing.ort_optimized_op_types(fixed)["QLinearConv"] == 1
+    for seed in range(3):  # same range [0, u], finer grid: within one old step of the input model
+        feed = _feed(1.0, seed)
+        np.testing.assert_allclose(_testing.outputs(fixed, feed)[0], _testing.outputs(proto, feed)[0], atol=0.01 + 1e-6)
+
+
+def test_already_fused_output_is_left_alone():
+    proto = onnx.parser.parse_model(FUSED_OUTPUT.format(act="Relu(c)", s2=0.01, z2=0, hi=6.0))
+    fixed, report, count = _apply(proto)
+    assert count == 0 and not report.refusals
