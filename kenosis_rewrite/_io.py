@@ -98,15 +98,57 @@ def check_quantized(model: ir.Model) -> None:
         )
 
 
+def _external_base_dir(model: ir.Model) -> str | None:
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            return tensor.base_dir
+    return None
+
+
+def in_memory_proto(model: ir.Model) -> onnx.ModelProto | None:
+    """``model`` as a self-contained ModelProto (external data read in), None beyond 2 GB.
+
+    The model itself is not touched: external tensors are read into a separate copy.
+    """
+    proto = ir.serde.serialize_model(model)
+    base_dir = _external_base_dir(model)
+    if base_dir is None:
+        return proto
+    copy = ir.serde.deserialize_model(proto)
+    ir.external_data.set_base_dir(copy.graph, base_dir)
+    ir.external_data.load_to_model(copy)
+    proto = ir.serde.serialize_model(copy)
+    try:
+        return proto if proto.ByteSize() <= _PROTOBUF_LIMIT else None
+    except ValueError:
+        return None
+
+
+def _copy_ir_model(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto | None]:
+    """A private copy of an onnx_ir.Model whose external tensors keep pointing at their files."""
+    try:
+        proto = ir.serde.serialize_model(model)
+        copy = ir.serde.deserialize_model(proto)
+        base_dir = _external_base_dir(model)
+        if base_dir is not None:
+            ir.external_data.set_base_dir(copy.graph, base_dir)
+        checkable = in_memory_proto(model)
+    except Exception as error:  # noqa: BLE001 - any serialisation failure means a broken model
+        raise InvalidModelError(f"The onnx_ir.Model could not be serialised: {error}") from None
+    return copy, checkable
+
+
 def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
     """A private onnx-ir copy of ``model``; the caller's object is never touched."""
     if isinstance(model, ir.Model):
-        try:
-            proto = ir.serde.serialize_model(model)
-        except Exception as error:  # noqa: BLE001 - any serialisation failure means a broken model
-            raise InvalidModelError(f"The onnx_ir.Model could not be serialised: {error}") from None
-        returns = "ir"
-    elif isinstance(model, onnx.ModelProto):
+        copy, checkable = _copy_ir_model(model)
+        if checkable is not None:  # beyond 2 GB the structure was already validated by onnx-ir
+            _check_proto(checkable)
+        if require_qdq:
+            check_quantized(copy)
+        return LoadedModel(copy, "ir")
+    if isinstance(model, onnx.ModelProto):
         proto = model
         returns = "proto"
     elif isinstance(model, (str, os.PathLike)):
@@ -123,11 +165,8 @@ def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
             f"Expected an onnx.ModelProto, onnx_ir.Model or a path, got {type(model).__name__}."
         )
     _check_proto(proto)
+    # Tensors of the copy may view the proto's bytes; the proto is never written to, so that is safe.
     copy = ir.serde.deserialize_model(proto)
-    if returns == "proto" and proto is model:
-        # deserialize_model shares no mutable state with the proto, but tensors may view its bytes;
-        # the proto is never written to, so a view is safe.
-        pass
     if require_qdq:
         check_quantized(copy)
     return LoadedModel(copy, returns)

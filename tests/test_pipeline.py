@@ -137,3 +137,21 @@ def test_report_explains_changes_and_refusals():
     assert "activation-int8-to-uint8" in report.summary()
     assert report.to_dict()["change_counts"]["activation-int8-to-uint8"] >= 1
     assert fixed.graph.output[-1].name == q_output
+
+
+def test_external_data_models_keep_their_weights(tmp_path):
+    import copy
+
+    _, feeds, qdq = _quantized("resnetish", "default")
+    expected = _testing.outputs(kenosis_rewrite.fix(qdq), feeds[0])[0]
+    onnx.save(copy.deepcopy(qdq), tmp_path / "m.onnx", save_as_external_data=True,
+              all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    from_path = kenosis_rewrite.fix(tmp_path / "m.onnx")
+    np.testing.assert_array_equal(_testing.outputs(from_path, feeds[0])[0], expected)
+    ir_model = ir.load(tmp_path / "m.onnx")
+    fixed = kenosis_rewrite.fix(ir_model)
+    (tmp_path / "out").mkdir()
+    ir.save(fixed, tmp_path / "out" / "fixed.onnx", external_data="fixed.data")
+    assert (tmp_path / "out" / "fixed.data").stat().st_size > 0
+    reloaded = onnx.load(tmp_path / "out" / "fixed.onnx")
+    np.testing.assert_array_equal(_testing.outputs(reloaded, feeds[0])[0], expected)
