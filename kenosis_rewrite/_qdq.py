@@ -215,3 +215,30 @@ def dequantize_consumers(value: ir.Value) -> list[ir.Node] | None:
 
 def scalar_initializer_like(array: np.ndarray, value: float | int, dtype) -> ir.Tensor:
     return ir.tensor(np.asarray(value, dtype=dtype).reshape(array.shape))
+
+
+def dequantize_array(data: np.ndarray, params: QuantParams) -> np.ndarray:
+    """``(data - zero_point) * scale`` in float32, broadcasting per-axis parameters (not blocked)."""
+    if params.block_size:
+        raise ValueError("blocked parameters are not supported here")
+    scale = params.scale.astype(np.float32)
+    zero_point = params.zero_point.astype(np.float32)
+    if scale.size > 1:
+        shape = [1] * data.ndim
+        shape[params.axis % data.ndim] = scale.size
+        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    return ((data.astype(np.float32) - zero_point) * scale).astype(np.float32)
+
+
+def constant_or_dequantized(value: ir.Value | None) -> np.ndarray | None:
+    """The value of a constant, or of a DequantizeLinear of constants (per-tensor or per-axis)."""
+    array = const_array(value)
+    if array is not None or value is None:
+        return array
+    producer = value.producer()
+    if not is_dequantize(producer):
+        return None
+    data, params = const_array(producer.inputs[0]), quant_params(producer)
+    if data is None or params is None or params.block_size:
+        return None
+    return dequantize_array(data, params)

@@ -32,6 +32,7 @@ from kenosis_rewrite.rules.activation_islands import (
     FoldReluIsland,
     ReluZeroPointToQmin,
 )
+from kenosis_rewrite.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldBatchNormIntoConvThroughQDQ
 from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
 
 __all__ = ["TARGETS", "FixPass", "rules", "fix", "fix_with_report"]
@@ -55,6 +56,8 @@ def rules(target: str = "ort-cpu", report: FixReport | None = None) -> RewriteRu
     _check_target(target)
     return RewriteRuleSet(
         [
+            FoldBatchNormIntoConvThroughQDQ.rule(report),
+            FoldBatchNormIntoConv.rule(report),
             FoldReluIsland.rule(report),
             FoldClipIsland.rule(report),
             ReluZeroPointToQmin.rule(report),

@@ -86,6 +86,23 @@ def _wrap(b: ToyBuilder, body) -> onnx.ModelProto:
     return b.model(IMAGE, b.conv(h, C, C, k=1))
 
 
+def _batchnorm(b: ToyBuilder, h: str, channels: int) -> str:
+    """An unfolded inference BatchNormalization with some negative gammas (as Paddle exports keep)."""
+    gamma = b.rng.uniform(-1.5, 1.5, channels).astype(np.float32)
+    beta = b.rng.normal(0, 0.5, channels).astype(np.float32)
+    mean = b.rng.normal(0, 0.5, channels).astype(np.float32)
+    var = b.rng.uniform(0.5, 2.0, channels).astype(np.float32)
+    return b.node("BatchNormalization", [h] + [b.const(a, n) for a, n in
+                                            ((gamma, "gamma"), (beta, "beta"), (mean, "mean"), (var, "var"))])
+
+
+def conv_bn(b):
+    """Conv -> BN -> Relu -> depthwise Conv -> BN -> HardSwish -> Conv (PP-LCNet-like, BN unfolded)."""
+    h = b.node("Relu", [_batchnorm(b, b.conv("x", C, C), C)])
+    h = b.node("HardSwish", [_batchnorm(b, b.conv(h, C, C, group=C), C)])
+    return b.model(IMAGE, b.conv(h, C, C, k=1))
+
+
 def conv_relu(b):
     return _wrap(b, lambda b, h: b.node("Relu", [h]))
 
@@ -190,7 +207,7 @@ TOY_MODELS = {
     for f in (
         conv_relu, conv_clip, conv_leakyrelu, conv_sigmoid, conv_hardswish, conv_silu, conv_prelu,
         conv_prelu_uniform, conv_relu_maxpool, conv_clip_maxpool, conv_add_relu, concat, avgpool,
-        gap_head, matmul_relu, gemm_relu, resnetish,
+        gap_head, matmul_relu, gemm_relu, resnetish, conv_bn,
     )
 }
 

@@ -13,7 +13,7 @@ from kenosis_rewrite import _testing, ort_quantize, toy_models
 
 CONFIGS = ["default", "u8s8", "sym", "keep", "convmm", "pc"]
 NETS = ["resnetish", "conv_add_relu", "conv_clip_maxpool", "concat", "conv_silu", "conv_prelu", "gap_head",
-        "matmul_relu", "gemm_relu", "avgpool"]
+        "matmul_relu", "gemm_relu", "avgpool", "conv_bn"]
 
 
 def _quantized(name: str, config: str):

@@ -1,0 +1,80 @@
+"""Tests of BatchNormalization folding into quantized Convs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from kenosis_rewrite import _testing, fidelity, ort_quantize, toy_models
+from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules.batchnorm_folding import RULE_NAME, batchnorm_rules
+
+
+def _apply(proto):
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    count = batchnorm_rules(report).apply_to_model(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report, count
+
+
+@pytest.mark.parametrize("config", ["u8s8", "default", "pc", "convmm"])
+def test_batchnorm_folds_into_integer_weights_scales_and_bias(config):
+    float_model = toy_models.build("conv_bn")
+    feeds = toy_models.random_feeds(float_model, 12)
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds[:6], config)
+    before = _testing.ort_optimized_op_types(qdq)
+    assert "BatchNormalization" in before
+    fixed, report, count = _apply(qdq)
+    folded = 0 if config == "convmm" else 2  # convmm does not quantize the BN outputs: refused
+    assert count == folded and [c.rule for c in report.changes] == [RULE_NAME] * folded
+    if config == "convmm":
+        assert {r.reason.split(":")[0] for r in report.refusals} == {"the BatchNormalization output is not quantized"}
+        return
+    assert "BatchNormalization" not in _testing.op_types(fixed)
+    for conv in (n for n in fixed.graph.node if n.op_type == "Conv"):
+        weight_dq = _testing.producer_of(fixed, conv.input[1])
+        weights = _testing.initializer(fixed, weight_dq.input[0])
+        assert weights.dtype == np.int8 and np.abs(weights).max() <= 127
+    optimized = _testing.ort_optimized_op_types(fixed)
+    assert "BatchNormalization" not in optimized
+    assert optimized["QLinearConv"] == 3
+    scores = fidelity.compare_to_float(float_model, {"input": qdq, "fixed": fixed}, feeds[6:])
+    assert scores["fixed"]["sqnr_db"] >= scores["input"]["sqnr_db"] - 0.1, scores
+
+
+def test_folding_matches_float_batchnorm_on_the_same_integer_weights():
+    """Without any activation quantization in between, the fold is the BN itself (float32 rounding only)."""
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,2,3,3] x) => (float[1,2,3,3] y)
+    <int8[2,2,1,1] w = {60, -128, 20, 90}, float sw = {0.01}, int8 zw = {0},
+     float[2] gamma = {-0.5, 2.0}, float[2] beta = {0.1, -0.2}, float[2] mean = {0.3, 0.0}, float[2] var = {1.0, 4.0}>
+    { dw = DequantizeLinear(w, sw, zw)  c = Conv(x, dw)  y = BatchNormalization(c, gamma, beta, mean, var) }""")
+    fixed, report, count = _apply(proto)
+    assert count == 1
+    assert "saturated" in report.changes[0].detail  # the -128 in the negated channel
+    conv = next(n for n in fixed.graph.node if n.op_type == "Conv")
+    weight_dq = _testing.producer_of(fixed, conv.input[1])
+    np.testing.assert_array_equal(_testing.initializer(fixed, weight_dq.input[0]).reshape(2, 2), [[-60, 127], [20, 90]])
+    np.testing.assert_allclose(_testing.initializer(fixed, weight_dq.input[1]), [0.01 * 0.5 / np.sqrt(1 + 1e-5), 0.01 * 2 / np.sqrt(4 + 1e-5)], rtol=1e-6)
+    feed = {"x": np.random.default_rng(0).standard_normal((1, 2, 3, 3)).astype(np.float32)}
+    # channel 0 differs by the saturated weight only (0.01 * 0.5 * x[1]); channel 1 is exact to float32.
+    before, after = _testing.outputs(proto, feed)[0], _testing.outputs(fixed, feed)[0]
+    np.testing.assert_allclose(after[0, 1], before[0, 1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(after[0, 0], before[0, 0], atol=0.005 * np.abs(feed["x"][0, 1]).max() + 1e-5)
+
+
+def test_non_constant_batchnorm_is_refused_with_reason():
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,2,3,3] x, float[2] gamma) => (float[1,2,3,3] y)
+    <int8[2,2,1,1] w = {60, -30, 20, 90}, float sw = {0.01}, int8 zw = {0},
+     float[2] beta = {0.1, -0.2}, float[2] mean = {0.3, 0.0}, float[2] var = {1.0, 4.0}>
+    { dw = DequantizeLinear(w, sw, zw)  c = Conv(x, dw)  y = BatchNormalization(c, gamma, beta, mean, var) }""")
+    _, report, count = _apply(proto)
+    assert count == 0
+    assert [r.reason for r in report.refusals] == ["BatchNormalization parameters are not constants"]
