@@ -1,0 +1,378 @@
+"""Range collection from the FP32 model with ONNX Runtime, streaming over any number of samples.
+
+A copy of the model exposes every float intermediate tensor (and every float graph input) as a graph
+output. Each feed is run once and each exposed tensor updates its :class:`StreamingHistogram`; no
+activation is kept after its update, so memory is bounded by one run's activations plus a fixed
+histogram per tensor. When one run's activations would exceed ``max_pass_bytes`` (huge models), the
+tensors are split into groups and the feeds are read once per group (feeds must then be re-iterable:
+a list, a ``CalibrationDataReader`` with ``rewind``, or a zero-argument callable returning an iterable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from kenosis_rewrite import _io
+from kenosis_rewrite.calibration.histogram import METHODS, StreamingHistogram, range_from_histogram
+from kenosis_rewrite.errors import KenosisError
+
+__all__ = [
+    "CalibrationError",
+    "TensorRanges",
+    "collect_histograms",
+    "collect_ranges",
+    "calibrated_tensors",
+    "model_hash",
+    "quantize_with_ranges",
+]
+
+FeedSource = Union[Iterable[Mapping[str, np.ndarray]], Callable[[], Iterable[Mapping[str, np.ndarray]]]]
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                          onnx.TensorProto.BFLOAT16})
+DEFAULT_PASS_BYTES = 1 << 30
+_FORMAT = "kenosis-calibration/1"
+
+
+class CalibrationError(KenosisError):
+    """Calibration could not run: bad feeds, a model ORT cannot run, or an unusable cache file."""
+
+
+@dataclasses.dataclass
+class TensorRanges(Mapping):
+    """Per-tensor calibrated ranges: a read-only mapping ``name -> (lo, hi)`` plus provenance."""
+
+    ranges: dict[str, tuple[float, float]]
+    method: str = "minmax"
+    percentile: float | None = None
+    samples: int = 0
+    model_sha256: str = ""
+
+    def __getitem__(self, name: str) -> tuple[float, float]:
+        return self.ranges[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.ranges)
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (see :meth:`save`)."""
+        return {
+            "format": _FORMAT, "method": self.method, "percentile": self.percentile, "samples": self.samples,
+            "model_sha256": self.model_sha256,
+            "ranges": {name: [float(lo), float(hi)] for name, (lo, hi) in self.ranges.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TensorRanges":
+        """Inverse of :meth:`to_json`; raises CalibrationError on anything else."""
+        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+            raise CalibrationError(f"not a kenosis calibration file (expected format {_FORMAT!r})")
+        ranges = {str(k): (float(v[0]), float(v[1])) for k, v in data["ranges"].items()}
+        return cls(ranges, data["method"], data.get("percentile"), int(data.get("samples", 0)),
+                   data.get("model_sha256", ""))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the ranges to ``path`` as JSON (atomically) and return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(temporary, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TensorRanges":
+        """Read ranges written by :meth:`save`."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise CalibrationError(f"cannot read calibration file {os.fspath(path)!r}: {error}") from None
+        return cls.from_json(data)
+
+    def to_tensors_data(self):
+        """The ranges as onnxruntime's ``TensorsData`` (MinMax), what quantize_static's quantizer consumes."""
+        from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+
+        data = {name: TensorData(lowest=np.array(lo, np.float32), highest=np.array(hi, np.float32))
+                for name, (lo, hi) in self.ranges.items()}
+        return TensorsData(CalibrationMethod.MinMax, data)
+
+    def write_ort_cache(self, path: str | os.PathLike) -> Path:
+        """Write an ORT calibration cache: ``quantize_static(..., calibration_data_reader=None,
+        calibration_cache_path=path)`` (default ``calibrate_method=MinMax``) then uses these ranges."""
+        from onnxruntime.quantization.calibrate import save_tensors_data
+
+        save_tensors_data(self.to_tensors_data(), Path(path))
+        return Path(path)
+
+
+def model_hash(model: onnx.ModelProto) -> str:
+    """sha256 of the model's deterministic serialisation."""
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _float_proto(model: _io.ModelLike) -> onnx.ModelProto:
+    loaded = _io.load(model, require_qdq=False)
+    return _io.to_output(_io.LoadedModel(loaded.model, "proto"))
+
+
+def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    initializers = {init.name for init in model.graph.initializer}
+    return [value for value in model.graph.input if value.name not in initializers]
+
+
+def _with_input_shapes(model: onnx.ModelProto, feed: Mapping[str, np.ndarray] | None) -> onnx.ModelProto:
+    """A copy whose graph inputs have the shapes of ``feed``, so shape inference resolves dynamic dims."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    if feed is None:
+        return copy
+    for value in copy.graph.input:
+        if value.name in feed:
+            dims = value.type.tensor_type.shape.dim
+            shape = np.shape(feed[value.name])
+            if len(dims) == len(shape):
+                for dim, size in zip(dims, shape):
+                    dim.Clear()
+                    dim.dim_value = int(size)
+    return copy
+
+
+def _typed_values(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """name -> type of every value shape inference (or the graph) knows."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - shape inference is best effort
+        inferred = model
+    graph = inferred.graph
+    return {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]}
+
+
+def calibrated_tensors(model: onnx.ModelProto, feed: Mapping[str, np.ndarray] | None = None) -> dict[str, int]:
+    """Float tensors to calibrate (graph inputs and top-level node outputs) -> estimated bytes per run.
+
+    Tensors whose type shape inference cannot tell are kept (ORT types them at run time; non-float
+    ones are dropped after the first run). Unknown dims count as 64 in the size estimate.
+    """
+    types = _typed_values(_with_input_shapes(model, feed))
+    names = [v.name for v in _graph_inputs(model)]
+    names += [out for node in model.graph.node if node.op_type != "Constant" for out in node.output if out]
+    selected = {}
+    for name in dict.fromkeys(names):
+        tensor_type = types[name].tensor_type if name in types else None
+        if tensor_type is not None and tensor_type.elem_type and tensor_type.elem_type not in _FLOAT_TYPES:
+            continue
+        dims = tensor_type.shape.dim if tensor_type is not None and tensor_type.HasField("shape") else []
+        size = int(np.prod([d.dim_value if d.dim_value > 0 else 64 for d in dims])) if dims else 64**2
+        selected[name] = 4 * size
+    return selected
+
+
+def _augmented(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose outputs are exactly ``names``."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    del copy.graph.output[:]
+    copy.graph.output.extend(onnx.ValueInfoProto(name=name) for name in names)
+    return copy
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # noqa: BLE001
+        raise CalibrationError(f"ONNX Runtime cannot load the model for calibration: {error}") from None
+
+
+def _groups(sizes: Mapping[str, int], budget: int) -> list[list[str]]:
+    """Split tensor names into consecutive groups whose estimated bytes stay under ``budget``."""
+    groups: list[list[str]] = [[]]
+    total = 0
+    for name, size in sizes.items():
+        if groups[-1] and total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += size
+    return groups
+
+
+def _feed_iterable(feeds: FeedSource) -> Iterable[Mapping[str, np.ndarray]]:
+    """One pass over the feeds (calls a factory, rewinds a reader)."""
+    if callable(feeds) and not hasattr(feeds, "get_next"):
+        return feeds()
+    if hasattr(feeds, "get_next"):
+        if hasattr(feeds, "rewind"):
+            feeds.rewind()
+        return iter(feeds.get_next, None)
+    return feeds
+
+
+def _reiterable(feeds: FeedSource) -> bool:
+    return callable(feeds) or hasattr(feeds, "rewind") or (
+        isinstance(feeds, Iterable) and not isinstance(feeds, Iterator))
+
+
+def _length(feeds: FeedSource) -> int | None:
+    try:
+        return len(feeds)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - readers raise NotImplementedError, generators TypeError
+        return None
+
+
+def _progress(iterable: Iterable, progress: bool | None, total: int | None, description: str) -> Iterable:
+    """Wrap ``iterable`` in a tqdm bar when asked, or by default when stderr is a terminal."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=description, unit="sample", leave=False)
+
+
+def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[Mapping[str, np.ndarray]],
+               histograms: dict[str, StreamingHistogram], factory: Callable[[], StreamingHistogram]) -> int:
+    """Run every feed once, updating the histogram of each float output; returns the number of feeds."""
+    input_names = {i.name for i in session.get_inputs()}
+    count = 0
+    for feed in feeds:
+        try:
+            outputs = session.run(names, {k: v for k, v in feed.items() if k in input_names})
+        except Exception as error:  # noqa: BLE001
+            raise CalibrationError(f"ONNX Runtime failed on calibration sample {count}: {error}") from None
+        for name, value in zip(names, outputs):
+            if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
+                histograms.setdefault(name, factory()).update(value)
+        del outputs
+        count += 1
+    return count
+
+
+def collect_histograms(
+    float_model: _io.ModelLike,
+    feeds: FeedSource,
+    *,
+    histogram: bool = True,
+    bins: int = 8192,
+    max_pass_bytes: int = DEFAULT_PASS_BYTES,
+    progress: bool | None = None,
+) -> tuple[dict[str, StreamingHistogram], int]:
+    """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
+
+    ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``).
+    """
+    model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
+    first_pass = _feed_iterable(feeds)
+    iterator = iter(first_pass)
+    first = next(iterator, None)
+    if first is None:
+        raise CalibrationError("no calibration samples: the feeds are empty")
+    groups = _groups(calibrated_tensors(model, first), max_pass_bytes)
+    if len(groups) > 1 and not _reiterable(feeds):
+        groups = [[name for group in groups for name in group]]  # one pass is all a generator allows
+    histograms: dict[str, StreamingHistogram] = {}
+    factory = lambda: StreamingHistogram(bins, keep_histogram=histogram)  # noqa: E731
+    total = _length(feeds)
+    samples = 0
+    for index, names in enumerate(groups):
+        session = _session(_augmented(model, names))
+        if index == 0:
+            stream: Iterable = _chain(first, iterator)
+        else:
+            stream = _feed_iterable(feeds)
+        label = "calibration" if len(groups) == 1 else f"calibration {index + 1}/{len(groups)}"
+        samples = _run_group(session, names, _progress(stream, progress, total, label), histograms, factory)
+        del session
+    return histograms, samples
+
+
+def _chain(first: Mapping[str, np.ndarray], rest: Iterator[Mapping[str, np.ndarray]]) -> Iterator:
+    yield first
+    yield from rest
+
+
+def _cache_file(cache: str | os.PathLike, key: str) -> Path:
+    path = Path(cache)
+    return path / f"{key}.json" if path.is_dir() or not path.suffix else path
+
+
+def collect_ranges(
+    float_model: _io.ModelLike,
+    feeds: FeedSource,
+    method: str = "minmax",
+    percentile: float = 99.99,
+    progress: bool | None = None,
+    *,
+    cache: str | os.PathLike | None = None,
+    bins: int = 8192,
+    max_pass_bytes: int = DEFAULT_PASS_BYTES,
+) -> TensorRanges:
+    """Per-tensor ``(lo, hi)`` ranges of every float tensor of ``float_model`` over ``feeds``.
+
+    ``method``: ``"minmax"``, ``"percentile"`` (two-sided, ``percentile`` % of the mass kept),
+    ``"entropy"`` (KL) or ``"mse"`` (see :mod:`kenosis_rewrite.calibration.histogram`).
+    ``cache``: a JSON file, or a directory holding files named by the cache key (sha256 of the model
+    + method + percentile). A matching cache is returned without running anything; otherwise the
+    result is written there. The cache does not know the feeds: use a new file for new data.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
+    model = _float_proto(float_model)
+    digest = model_hash(model)
+    used_percentile = percentile if method == "percentile" else None
+    cache_path = None
+    if cache is not None:
+        key = hashlib.sha256(f"{digest}:{method}:{used_percentile}".encode()).hexdigest()[:24]
+        cache_path = _cache_file(cache, key)
+        if cache_path.is_file():
+            cached = TensorRanges.load(cache_path)
+            if (cached.model_sha256, cached.method, cached.percentile) == (digest, method, used_percentile):
+                return cached
+    histograms, samples = collect_histograms(model, feeds, histogram=method != "minmax", bins=bins,
+                                             max_pass_bytes=max_pass_bytes, progress=progress)
+    ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
+    result = TensorRanges(ranges, method, used_percentile, samples, digest)
+    if cache_path is not None:
+        result.save(cache_path)
+    return result
+
+
+def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, **quantize_static_kwargs) -> onnx.ModelProto:
+    """``onnxruntime.quantization.quantize_static`` (QDQ by default) using precomputed ``ranges``.
+
+    The ranges go in through ORT's own calibration cache (``calibration_cache_path``), so no
+    calibration inference runs inside quantize_static. Any other keyword goes to quantize_static.
+    """
+    import tempfile
+
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+
+    if quantize_static_kwargs.get("calibrate_method", CalibrationMethod.MinMax) != CalibrationMethod.MinMax:
+        raise ValueError("precomputed ranges enter quantize_static as a MinMax cache; drop calibrate_method")
+    quantize_static_kwargs.setdefault("quant_format", QuantFormat.QDQ)
+    model = _float_proto(float_model)
+    with tempfile.TemporaryDirectory() as tmp:
+        source, target, cache = (os.path.join(tmp, f) for f in ("float.onnx", "qdq.onnx", "ranges.json"))
+        onnx.save(model, source)
+        ranges.write_ort_cache(cache)
+        quantize_static(source, target, None, calibration_cache_path=cache, **quantize_static_kwargs)
+        return onnx.load(target)
