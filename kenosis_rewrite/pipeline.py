@@ -21,7 +21,7 @@ from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter._rewrite_rule import RewriteRuleSet
 
 from kenosis_rewrite import _io
-from kenosis_rewrite.errors import RewriteError, UnsupportedTargetError
+from kenosis_rewrite.errors import KenosisError, RewriteError, UnsupportedTargetError
 from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
 from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
@@ -165,19 +165,41 @@ def _validate(before: onnx.ModelProto, after: onnx.ModelProto, report: FixReport
     raise RewriteError(f"internal error: the rewritten model fails the ONNX checker ({problem}); no model is returned.")
 
 
+OPTIMIZE_FOR = (None, "latency")
+
+
+def _latency_placement(
+    model: ir.Model, report: FixReport, calibration: list | None, budget_s: float, threads: int
+) -> None:
+    from kenosis_rewrite import fidelity  # noqa: PLC0415
+    from kenosis_rewrite.passes.latency_placement import LatencyPlacementPass  # noqa: PLC0415
+
+    feed = calibration[0] if calibration else fidelity.random_feeds(ir.serde.serialize_model(model), 1)[0]
+    LatencyPlacementPass(feed, report, budget_s=budget_s, threads=threads)(model)
+    CleanupPass()(model)
+
+
 def fix_with_report(
     model: _io.ModelLike,
     *,
     target: str = "ort-cpu",
     float_model: _io.ModelLike | None = None,
     calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
+    optimize_for: str | None = None,
+    latency_budget_s: float = 60.0,
+    threads: int = 1,
 ) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
     """:func:`fix`, returning ``(fixed_model, FixReport)``."""
     _check_target(target)
+    if optimize_for not in OPTIMIZE_FOR:
+        raise KenosisError(f"optimize_for must be one of {OPTIMIZE_FOR}, got {optimize_for!r}")
+    calibration = list(calibration) if calibration is not None else None
     loaded = _io.load(model)
     before = _io.in_memory_proto(loaded.model)
     report = FixReport(target=target)
     FixPass(target, report)(loaded.model)
+    if optimize_for == "latency":
+        _latency_placement(loaded.model, report, calibration, latency_budget_s, threads)
     after = _io.in_memory_proto(loaded.model)
     if before is not None and after is not None:
         _validate(before, after, report)
@@ -198,6 +220,9 @@ def fix(
     float_model: _io.ModelLike | None = None,
     calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
     return_report: bool = False,
+    optimize_for: str | None = None,
+    latency_budget_s: float = 60.0,
+    threads: int = 1,
 ):
     """Rewrite a QDQ model so that ONNX Runtime runs more of it in fused integer kernels.
 
@@ -210,6 +235,11 @@ def fix(
         calibration: optional feeds (iterable of ``{input_name: array}``) for that comparison;
             random inputs when omitted.
         return_report: return ``(model, FixReport)`` instead of the model alone.
+        optimize_for: ``"latency"`` adds measured placement: layers that ORT CPU runs faster in
+            float on this machine are returned to float (see
+            :mod:`kenosis_rewrite.passes.latency_placement`); never slower than without it.
+        latency_budget_s: time budget of that search (decisions are cached per model and machine).
+        threads: intra-op threads the latency search measures with (match your deployment).
 
     Returns:
         The fixed model, of the kind given: an ``onnx_ir.Model`` for an ``onnx_ir.Model``,
@@ -219,5 +249,8 @@ def fix(
         KenosisError: a subclass naming what is wrong with the input (not ONNX, no Q/DQ,
             QOperator format, unsupported opset, too large, unknown target).
     """
-    fixed, report = fix_with_report(model, target=target, float_model=float_model, calibration=calibration)
+    fixed, report = fix_with_report(
+        model, target=target, float_model=float_model, calibration=calibration,
+        optimize_for=optimize_for, latency_budget_s=latency_budget_s, threads=threads,
+    )
     return (fixed, report) if return_report else fixed

@@ -1,0 +1,207 @@
+"""Return parts of a QDQ model to float: the moves the latency placement chooses from.
+
+Two transformations:
+
+* **Dequantize constants** of a node: ``DQ(w_q; s, z) -> Op`` ==> ``w -> Op`` with
+  ``w = (w_q - z) * s`` computed once, in float32, as the DequantizeLinear would at run time. ORT
+  does not constant-fold a weight's DequantizeLinear, and without its DQ the op cannot be fused
+  into an integer kernel: it runs float, on the very weight values the QDQ graph described.
+* **Remove an activation Q/DQ pair**: ``x -> Q -> DQ -> consumers`` ==> ``x -> consumers``. The
+  consumers read ``x`` instead of its rounded copy. When the zero point is qmin the Q's clamp at
+  0 may be a Relu/Clip that quantize_static deleted, so ``Clip(x, 0, top of range)`` replaces it
+  (a Clip that ORT fuses into a float Conv).
+
+Removing quantization steps lowers the error on average, not for every input: the remaining
+roundings move with it.
+
+A heavy op returned to float (``to_float``) gets both: its weights dequantized, and the Q/DQ pairs
+that connect it to neighbours with no integer kernel removed (a pair next to an integer kernel is
+what that kernel needs, so it stays). ``DequantizeAllPass`` applies this to the whole graph,
+giving the float model the QDQ model describes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.report import FixReport
+
+RULE_NAME = "return-to-float"
+
+# Ops ORT CPU can run on quantized tensors (QDQ selectors, ort-cpu-facts.md §2): a Q/DQ pair that
+# feeds one of them is kept, unless that op itself is being returned to float.
+INTEGER_CAPABLE_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool", "AveragePool",
+        "GlobalAveragePool", "GlobalMaxPool", "LeakyRelu", "Sigmoid", "Softmax", "Relu", "Clip",
+        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather", "Resize", "Split",
+        "Pad", "Where", "ArgMax", "ReduceMax", "ReduceMin", "DepthToSpace", "SpaceToDepth", "Expand",
+        "Tile", "Identity", "InstanceNormalization", "LayerNormalization",
+    }
+)
+
+
+def dequantize_constants(node: ir.Node, graph: ir.Graph, cache: dict[int, ir.Value] | None = None) -> int:
+    """Replace ``node``'s inputs that are DequantizeLinear of constants by float initializers."""
+    cache = {} if cache is None else cache
+    count = 0
+    for index, value in enumerate(node.inputs):
+        producer = value.producer() if value is not None else None
+        if not _qdq.is_dequantize(producer) or _qdq.const_array(producer.inputs[0]) is None:
+            continue
+        params = _qdq.quant_params(producer)
+        if params is None or params.block_size:
+            continue  # blocked weights stay as they are (MatMulNBits territory)
+        if id(value) not in cache:
+            array = _qdq.dequantize_array(_qdq.const_array(producer.inputs[0]), params).astype(params.scale.dtype)
+            name = _qdq.unique_name(graph, f"{value.name or 'weight'}_float")
+            cache[id(value)] = _qdq.add_initializer(graph, ir.tensor(array, name=name), name)
+        node.replace_input_with(index, cache[id(value)])
+        count += 1
+    return count
+
+
+def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value) -> None:
+    """Replace graph output ``dq.outputs[0]`` by ``Identity(source)`` under the same name."""
+    old = dq.outputs[0]
+    name, value_type, shape = old.name, old.type, old.shape
+    identity = ir.Node("", "Identity", [source], name=_qdq.unique_name(graph, f"{dq.name or name}_float"))
+    graph.insert_after(dq, identity)
+    for index, output in enumerate(graph.outputs):
+        if output is old:
+            graph.outputs[index] = identity.outputs[0]
+    old.replace_all_uses_with(identity.outputs[0])
+    old.name = None
+    identity.outputs[0].name = name
+    identity.outputs[0].type, identity.outputs[0].shape = value_type, shape
+
+
+def _implied_activation(quantize: ir.Node, params: _qdq.QuantParams) -> ir.Node | None:
+    """A Clip(0, top) standing in for the Relu/Clip(0, M) the quantizer removed, if it may have.
+
+    quantize_static deletes a Relu or Clip(0, M) in front of a Q whose zero point is qmin: the Q's
+    own clamp does the work. Without the Q, the activation must come back.
+    """
+    if params.scalar_zero_point != params.qmin:
+        return None
+    graph = quantize.graph
+    top = params.scalar_scale * (params.qmax - params.qmin)
+    base = quantize.inputs[0].name or "activation"
+    bounds = []
+    for value, suffix in ((0.0, "clip_min"), (top, "clip_max")):
+        name = _qdq.unique_name(graph, f"{base}_{suffix}")
+        bounds.append(_qdq.add_initializer(graph, ir.tensor(np.asarray(value, dtype=params.scale.dtype), name=name), name))
+    clip = ir.Node("", "Clip", [quantize.inputs[0], *bounds], name=_qdq.unique_name(graph, f"{quantize.name or base}_clamp"))
+    clip.outputs[0].name = _qdq.unique_name(graph, f"{base}_clamped")
+    graph.insert_after(quantize, clip)
+    return clip
+
+
+def remove_qdq_pair(quantize: ir.Node) -> bool:
+    """Let the DQ consumers of ``quantize`` read its float input directly; False if not possible.
+
+    Where the Q's clamp may stand for a removed Relu/Clip (zero point at qmin), a Clip(0, top of
+    range) takes its place. A DQ whose output is a graph output becomes an Identity of the float
+    input (names stay). Per-axis or non-constant activation parameters are left alone.
+    """
+    output = quantize.outputs[0]
+    dequantizers = _qdq.dequantize_consumers(output)
+    params = _qdq.quant_params(quantize)
+    if output.is_graph_output() or not dequantizers or params is None or not params.is_per_tensor:
+        return False
+    clip = _implied_activation(quantize, params)
+    source = clip.outputs[0] if clip is not None else quantize.inputs[0]
+    for dq in dequantizers:
+        if dq.outputs[0].is_graph_output():
+            _forward_graph_output(quantize.graph, dq, source)
+        else:
+            dq.outputs[0].replace_all_uses_with(source)
+    return True
+
+
+def _feeds_only(dequantizers: Iterable[ir.Node], allowed) -> bool:
+    return all(allowed(user) for dq in dequantizers for user, _ in dq.outputs[0].uses())
+
+
+def _is_float_side(node: ir.Node | None, float_nodes: set[int]) -> bool:
+    """True when ``node`` runs float anyway: returned to float, or no integer kernel for it."""
+    if node is None:
+        return False
+    return id(node) in float_nodes or node.op_type not in INTEGER_CAPABLE_OPS
+
+
+def to_float(node: ir.Node, graph: ir.Graph, float_nodes: set[int]) -> int:
+    """Return heavy op ``node`` to float; returns the number of Q/DQ pairs removed."""
+    float_nodes.add(id(node))
+    dequantize_constants(node, graph)
+    removed = 0
+    # Output side: node -> Q -> DQ -> consumers that run float anyway.
+    for user, _ in list(node.outputs[0].uses()):
+        if _qdq.is_quantize(user):
+            dequantizers = _qdq.dequantize_consumers(user.outputs[0]) or []
+            if _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)) and remove_qdq_pair(user):
+                removed += 1
+    # Input side: producer that runs float -> Q -> DQ -> node (and only float consumers).
+    for value in list(node.inputs[:1]):
+        dq = value.producer() if value is not None else None
+        if not _qdq.is_dequantize(dq) or not _qdq.is_quantize(dq.inputs[0].producer()):
+            continue
+        quantize = dq.inputs[0].producer()
+        source = quantize.inputs[0].producer()
+        dequantizers = _qdq.dequantize_consumers(quantize.outputs[0]) or []
+        if _is_float_side(source, float_nodes) and _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)):
+            removed += int(remove_qdq_pair(quantize))
+    return removed
+
+
+class FloatRegionsPass(ir.passes.InPlacePass):
+    """Return the named heavy ops (and the Q/DQ pairs that only served them) to float."""
+
+    def __init__(self, names: Iterable[str], report: FixReport | None = None, gains: dict[str, str] | None = None):
+        super().__init__()
+        self.names = list(names)
+        self.report = report
+        self.gains = gains or {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        wanted = set(self.names)
+        float_nodes: set[int] = set()
+        changed = False
+        for node in list(model.graph):
+            if node.name in wanted and node.op_type in _qdq.WEIGHTED_OPS:
+                removed = to_float(node, model.graph, float_nodes)
+                changed = True
+                if self.report is not None:
+                    detail = f"runs float; {removed} Q/DQ pair(s) removed"
+                    if node.name in self.gains:
+                        detail += f"; {self.gains[node.name]}"
+                    self.report.changed(RULE_NAME, node.name, detail, exact=removed == 0)
+        if changed:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+            RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, modified=changed)
+
+
+class DequantizeAllPass(ir.passes.InPlacePass):
+    """Remove every activation Q/DQ pair and dequantize every constant: the QDQ model in float."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        cache: dict[int, ir.Value] = {}
+        changed = False
+        for node in list(graph):
+            if not (_qdq.is_quantize(node) or _qdq.is_dequantize(node)):
+                changed |= dequantize_constants(node, graph, cache) > 0
+        for node in list(graph):
+            if _qdq.is_quantize(node):
+                changed |= remove_qdq_pair(node)
+        if changed:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+            RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, modified=changed)

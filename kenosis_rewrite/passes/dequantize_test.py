@@ -1,0 +1,66 @@
+"""Tests of returning layers (or the whole model) to float."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+import kenosis_rewrite
+from kenosis_rewrite import _testing, fidelity, ort_quantize, toy_models
+from kenosis_rewrite.passes.dequantize import DequantizeAllPass, FloatRegionsPass
+from kenosis_rewrite.report import FixReport
+
+
+def _fixed(name, config="u8s8"):
+    float_model = toy_models.build(name)
+    feeds = toy_models.random_feeds(float_model, 6)
+    return float_model, feeds, kenosis_rewrite.fix(ort_quantize.quantize_with_ort(float_model, feeds, config))
+
+
+def _run(proto, pass_):
+    model = ir.serde.deserialize_model(proto)
+    pass_(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out
+
+
+def test_dequantize_all_gives_the_float_model_the_qdq_model_describes():
+    float_model, feeds, fixed = _fixed("resnetish")
+    dequantized = _run(fixed, DequantizeAllPass())
+    types = _testing.op_types(dequantized)
+    assert types["QuantizeLinear"] == 0 and types["DequantizeLinear"] == 0
+    assert not any(t.data_type == onnx.TensorProto.INT8 for t in dequantized.graph.initializer)
+    scores = fidelity.compare_to_float(float_model, {"qdq": fixed, "float": dequantized}, feeds)
+    # Only the int8 weight rounding is left (it dominates here); the removed Relus came back as Clips.
+    assert scores["float"]["sqnr_db"] >= scores["qdq"]["sqnr_db"] - 0.5 and scores["float"]["sqnr_db"] > 35
+    assert _testing.op_types(dequantized)["Clip"] >= 1
+    assert _testing.ort_optimized_op_types(dequantized)["QLinearConv"] == 0
+
+
+def test_float_region_runs_float_and_drops_only_the_pairs_around_float_neighbours():
+    float_model, feeds, fixed = _fixed("conv_hardswish")
+    convs = [n.name for n in fixed.graph.node if n.op_type == "Conv"]
+    report = FixReport()
+    out = _run(fixed, FloatRegionsPass([convs[0]], report))
+    assert [c.rule for c in report.changes] == ["return-to-float"]
+    assert "1 Q/DQ pair(s) removed" in report.changes[0].detail  # the pair before the HardSwish
+    report_after = kenosis_rewrite.explain(out)
+    kernels = {op.name: op.kernel for op in report_after.ops}
+    assert kernels[convs[0]] == "float" and kernels[convs[1]] == "integer"
+    first = next(n for n in out.graph.node if n.name == convs[0])
+    assert _testing.producer_of(out, first.input[1]) is None  # float weight initializer
+    scores = fidelity.compare_to_float(float_model, {"qdq": fixed, "region": out}, feeds)
+    assert scores["region"]["sqnr_db"] >= scores["qdq"]["sqnr_db"]
+
+
+def test_pairs_feeding_integer_kernels_stay():
+    float_model, feeds, fixed = _fixed("resnetish")
+    first_conv = next(n.name for n in fixed.graph.node if n.op_type == "Conv")
+    report = FixReport()
+    out = _run(fixed, FloatRegionsPass([first_conv], report))
+    # its neighbours (MaxPool, the graph input's Q) are integer-capable: every pair stays
+    assert "0 Q/DQ pair(s) removed" in report.changes[0].detail
+    scores = fidelity.compare_to_float(float_model, {"qdq": fixed, "region": out}, feeds)
+    assert scores["region"]["sqnr_db"] >= scores["qdq"]["sqnr_db"] - 1.0  # other roundings move, on average no loss

@@ -1,0 +1,229 @@
+"""Latency-aware placement: per heavy op, integer or float, whichever ORT CPU runs faster here.
+
+Which layers gain from int8 is a property of the runtime and the machine, not of the graph: on
+x86 ORT CPU a PP-LCNet classifier runs *slower* quantized than in FP32, because HardSwish has no
+integer kernel (every activation becomes a DQ -> HardSigmoid -> Mul -> Q float island) while
+depthwise convolutions gain little from int8. This pass measures instead of assuming:
+
+1. Profile the model as it is (integer) and fully dequantized (float), and attribute kernel time
+   to each Conv/MatMul/Gemm: its integer kernel plus the Q/DQ and float-island kernels around it,
+   against its float kernel (:mod:`kenosis_rewrite.profiler`).
+2. Return to float every layer whose estimated gain is positive (all at once), and keep the result
+   only if an interleaved A/B measurement says the whole model got faster.
+3. Refine greedily while the time budget lasts: toggle single layers, most uncertain first, each
+   kept only when measured faster by more than ``min_gain``.
+4. Compare with the fully float model; never return anything slower than the input.
+
+Returning a layer to float (:mod:`kenosis_rewrite.passes.dequantize`) dequantizes its weights and
+removes the Q/DQ pairs that only connected it to float neighbours: fidelity can only improve.
+Decisions are cached under a hash of the model and the machine, and reported with their gains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from kenosis_rewrite import _timing, profiler
+from kenosis_rewrite.passes.dequantize import DequantizeAllPass, FloatRegionsPass
+from kenosis_rewrite.report import FixReport
+
+RULE_NAME = "latency-placement"
+ALL_FLOAT = "*"
+
+
+@dataclasses.dataclass
+class PlacementResult:
+    """What the search decided and measured (milliseconds per run, median)."""
+
+    float_layers: list[str]
+    base_ms: float
+    best_ms: float
+    float_ms: float | None
+    trials: int
+    seconds: float
+    cached: bool = False
+
+    @property
+    def speedup(self) -> float:
+        return self.base_ms / self.best_ms if self.best_ms else 1.0
+
+
+def _machine_signature(threads: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}|{os.cpu_count()}|ort {ort.__version__}|threads {threads}"
+
+
+def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("KENOSIS_CACHE", Path.home() / ".cache" / "kenosis_rewrite")) / "placement"
+
+
+def _serialize(model: ir.Model) -> bytes:
+    return ir.serde.serialize_model(model).SerializeToString()
+
+
+def _variant(base: bytes, float_layers: list[str]) -> bytes:
+    model = ir.serde.deserialize_model(_load_proto(base))
+    if float_layers == [ALL_FLOAT]:
+        DequantizeAllPass()(model)
+    elif float_layers:
+        FloatRegionsPass(float_layers)(model)
+    return _serialize(model)
+
+
+def _load_proto(data: bytes):
+    import onnx  # noqa: PLC0415
+
+    return onnx.load_from_string(data)
+
+
+class _Search:
+    """Greedy, measured search over which heavy ops run float."""
+
+    def __init__(self, base: bytes, feed: Mapping[str, np.ndarray], threads: int, budget_s: float, min_gain: float):
+        self.base, self.feed, self.threads = base, dict(feed), threads
+        self.deadline = time.monotonic() + budget_s
+        self.min_gain = min_gain
+        self.trials = 0
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def compare(self, current: bytes, candidate: bytes) -> tuple[float, float]:
+        """(current ms, candidate ms), interleaved in this process."""
+        self.trials += 1
+        sessions = {"current": _timing.session(current, self.threads), "candidate": _timing.session(candidate, self.threads)}
+        medians = _timing.interleaved_medians(sessions, self.feed, rounds=6, per_round=4, warmup=3)
+        return medians["current"] * 1e3, medians["candidate"] * 1e3
+
+    def estimates(self, float_variant: bytes) -> dict[str, float]:
+        """Estimated microseconds saved by running each heavy op float."""
+        integer = profiler.profile(_load_proto(self.base), self.feed, runs=10, warmup=3, threads=self.threads)
+        floating = profiler.profile(_load_proto(float_variant), self.feed, runs=10, warmup=3, threads=self.threads)
+        gains = {}
+        for name, layer in integer.layers.items():
+            if layer.kernel not in profiler.INTEGER_KERNELS:
+                continue  # already float: nothing to decide
+            other = floating.layers.get(name)
+            gains[name] = layer.total_us - (other.total_us if other is not None else 0.0)
+        return gains
+
+    def run(self) -> PlacementResult:
+        start = time.monotonic()
+        float_variant = _variant(self.base, [ALL_FLOAT])
+        gains = self.estimates(float_variant)
+        chosen = sorted((n for n, g in gains.items() if g > 0), key=lambda n: -gains[n])
+        best, best_layers = self.base, []
+        base_ms = best_ms = None
+        if chosen:
+            candidate = _variant(self.base, chosen)
+            base_ms, candidate_ms = self.compare(self.base, candidate)
+            best_ms = base_ms
+            if candidate_ms < base_ms * (1 - self.min_gain):
+                best, best_layers, best_ms = candidate, chosen, candidate_ms
+        # Refine: toggle single layers, the least certain estimates first.
+        for name in sorted(gains, key=lambda n: abs(gains[n])):
+            if self.out_of_time():
+                break
+            layers = [n for n in best_layers if n != name] if name in best_layers else best_layers + [name]
+            candidate = _variant(self.base, layers)
+            current_ms, candidate_ms = self.compare(best, candidate)
+            base_ms = base_ms or current_ms
+            if candidate_ms < current_ms * (1 - self.min_gain):
+                best, best_layers, best_ms = candidate, layers, candidate_ms
+            else:
+                best_ms = current_ms if best_ms is None else best_ms
+        current_ms, float_ms = self.compare(best, float_variant)
+        base_ms = base_ms or current_ms
+        best_ms = current_ms
+        if float_ms < current_ms * (1 - self.min_gain):
+            best_layers, best_ms = [ALL_FLOAT], float_ms
+        if best_layers and best_layers != [ALL_FLOAT]:
+            # Last word: never slower than the input.
+            base_now, best_now = self.compare(self.base, best)
+            base_ms, best_ms = base_now, best_now
+            if best_now >= base_now:
+                best_layers, best_ms = [], base_now
+        return PlacementResult(best_layers, base_ms, best_ms, float_ms, self.trials, time.monotonic() - start)
+
+
+class LatencyPlacementPass(ir.passes.InPlacePass):
+    """Return heavy ops to float where ORT CPU measures that faster; see the module docstring."""
+
+    def __init__(
+        self,
+        feed: Mapping[str, np.ndarray],
+        report: FixReport | None = None,
+        *,
+        budget_s: float = 60.0,
+        threads: int = 1,
+        min_gain: float = 0.015,
+        cache_dir: str | os.PathLike | None = None,
+        use_cache: bool = True,
+    ):
+        super().__init__()
+        self.feed = dict(feed)
+        self.report = report
+        self.budget_s = budget_s
+        self.threads = threads
+        self.min_gain = min_gain
+        self.cache_dir = cache_dir
+        self.use_cache = use_cache
+        self.result: PlacementResult | None = None
+
+    def _cache_path(self, base: bytes) -> Path:
+        digest = hashlib.sha256(base + _machine_signature(self.threads).encode()).hexdigest()[:32]
+        return _cache_dir(self.cache_dir) / f"{digest}.json"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        base = _serialize(model)
+        path = self._cache_path(base)
+        if self.use_cache and path.is_file():
+            self.result = PlacementResult(**json.loads(path.read_text(encoding="utf-8")))
+            self.result.cached = True
+        else:
+            self.result = _Search(base, self.feed, self.threads, self.budget_s, self.min_gain).run()
+            if self.use_cache:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(dataclasses.asdict(self.result)), encoding="utf-8")
+        self._apply(model, self.result)
+        return ir.passes.PassResult(model, modified=bool(self.result.float_layers))
+
+    def _apply(self, model: ir.Model, result: PlacementResult) -> None:
+        gain = f"model {result.base_ms:.3f} -> {result.best_ms:.3f} ms"
+        if result.float_layers == [ALL_FLOAT]:
+            DequantizeAllPass()(model)
+        elif result.float_layers:
+            FloatRegionsPass(result.float_layers, self.report, {n: gain for n in result.float_layers})(model)
+        if self.report is not None:
+            how = "cached decision" if result.cached else f"{result.trials} measured trials in {result.seconds:.1f} s"
+            if result.float_layers == [ALL_FLOAT]:
+                self.report.changed(RULE_NAME, "whole model", f"float is fastest here: {result.base_ms:.3f} -> {result.best_ms:.3f} ms", exact=True)
+            if result.float_layers == [ALL_FLOAT]:
+                kept = "whole model to float"
+            elif result.float_layers:
+                kept = f"{len(result.float_layers)} layer(s) to float"
+            else:
+                kept = "all layers stay integer"
+            float_ms = f"{result.float_ms:.3f} ms" if result.float_ms is not None else "n/a"
+            self.report.note(
+                f"latency placement: {kept}; {result.base_ms:.3f} -> {result.best_ms:.3f} ms "
+                f"(x{result.speedup:.2f}; all-float {float_ms}); {how}"
+            )
