@@ -1,7 +1,9 @@
 """The ``kenosis-rewrite`` command line.
 
     kenosis-rewrite fix IN.onnx OUT.onnx [--report] [--report-json R.json] [--float-model F.onnx]
+                    [--optimize-for latency] [--latency-budget S] [--threads N]
     kenosis-rewrite explain MODEL.onnx [--json]
+    kenosis-rewrite profile MODEL.onnx [--runs N]
     kenosis-rewrite bench MODEL.onnx|zoo:NAME [...]
 
 Exit codes: 0 success, 1 the input was refused (a KenosisError; the message says why),
@@ -23,7 +25,10 @@ EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
 def _fix(args: argparse.Namespace) -> int:
     from kenosis_rewrite.pipeline import fix_with_report  # noqa: PLC0415
 
-    fixed, report = fix_with_report(args.input, target=args.target, float_model=args.float_model)
+    fixed, report = fix_with_report(
+        args.input, target=args.target, float_model=args.float_model, optimize_for=args.optimize_for,
+        latency_budget_s=args.latency_budget, threads=args.threads,
+    )
     onnx.save(fixed, args.output)
     if args.report:
         print(report.summary())
@@ -45,6 +50,15 @@ def _explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from kenosis_rewrite import fidelity, profiler  # noqa: PLC0415
+
+    model = onnx.load(args.model) if isinstance(args.model, str) else args.model
+    feed = fidelity.random_feeds(model, 1)[0]
+    print(profiler.comparison_table(profiler.compare_integer_and_float(model, feed, runs=args.runs, threads=args.threads)))
+    return EXIT_OK
+
+
 def _bench(argv: list[str]) -> int:
     from kenosis_rewrite.bench import bench_main  # noqa: PLC0415
 
@@ -62,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     fix.add_argument("output", help="where to write the fixed model")
     fix.add_argument("--target", default="ort-cpu", help="runtime to place Q/DQ for (default: ort-cpu)")
     fix.add_argument("--float-model", help="FP32 original: report fidelity before/after against it")
+    fix.add_argument("--optimize-for", choices=["latency"], default=None,
+                     help="also measure per layer and return layers to float where that is faster here")
+    fix.add_argument("--latency-budget", type=float, default=60.0, metavar="S", help="seconds for that search")
+    fix.add_argument("--threads", type=int, default=1, help="intra-op threads to measure with (default 1)")
     fix.add_argument("--report", action="store_true", help="print what changed and what was left alone")
     fix.add_argument("--report-json", metavar="PATH", help="write the report as JSON")
     fix.set_defaults(handler=_fix)
@@ -69,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("model", help=".onnx model (quantized or not)")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(handler=_explain)
+    prof = commands.add_parser("profile", help="per-layer time: as the model runs now vs in float")
+    prof.add_argument("model", help=".onnx model")
+    prof.add_argument("--runs", type=int, default=20)
+    prof.add_argument("--threads", type=int, default=1)
+    prof.set_defaults(handler=_profile)
     commands.add_parser("bench", help="FP32 vs quantize_static vs fixed, measured side by side", add_help=False)
     return parser
 

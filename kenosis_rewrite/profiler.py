@@ -156,3 +156,51 @@ def profile(
             name, node.op_type, match.op_type, node_us.get(match.name, 0.0), _overhead(match, optimized.graph, node_us)
         )
     return ModelProfile(layers, node_us, node_types, float(sum(node_us.values())))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerComparison:
+    """One heavy op as it runs now (its integer kernel plus overhead) and in float."""
+
+    name: str
+    op_type: str
+    kernel: str
+    integer_us: float
+    float_us: float
+
+    @property
+    def float_gain_us(self) -> float:
+        """Microseconds saved per run if this layer ran float (negative: integer is faster)."""
+        return self.integer_us - self.float_us
+
+
+def compare_integer_and_float(
+    model: _io.ModelLike, feed: Mapping[str, np.ndarray], *, runs: int = 20, threads: int = 1
+) -> list[LayerComparison]:
+    """Per heavy op: time as it runs now (kernel + Q/DQ and float islands) vs fully dequantized."""
+    from kenosis_rewrite.passes.dequantize import DequantizeAllPass  # noqa: PLC0415 - avoids a cycle
+
+    loaded = _io.load(model, require_qdq=False)
+    as_is = profile(loaded.model, feed, runs=runs, threads=threads)
+    dequantized = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
+    DequantizeAllPass()(dequantized)
+    floating = profile(dequantized, feed, runs=runs, threads=threads)
+    rows = []
+    for name, layer in as_is.layers.items():
+        other = floating.layers.get(name)
+        rows.append(LayerComparison(name, layer.op_type, layer.kernel, layer.total_us, other.total_us if other else 0.0))
+    return rows
+
+
+def comparison_table(rows: list[LayerComparison]) -> str:
+    lines = [
+        "| layer | op | kernel now | now (us) | float (us) | float saves (us) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for row in sorted(rows, key=lambda r: -r.float_gain_us):
+        lines.append(
+            f"| {row.name} | {row.op_type} | {row.kernel or '-'} | {row.integer_us:.1f} | {row.float_us:.1f} | {row.float_gain_us:+.1f} |"
+        )
+    total_now, total_float = sum(r.integer_us for r in rows), sum(r.float_us for r in rows)
+    lines.append(f"| **all heavy ops** | | | {total_now:.1f} | {total_float:.1f} | {total_now - total_float:+.1f} |")
+    return "\n".join(lines)

@@ -57,3 +57,20 @@ def test_console_entry_point_runs_as_module(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "activation-int8-to-uint8" in result.stderr
+
+
+def test_profile_prints_a_per_layer_table(tmp_path, capsys):
+    source = _save_quantized(tmp_path, "u8s8")
+    assert cli.main(["profile", str(source), "--runs", "3"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "| layer | op | kernel now |" in out and "QLinearConv" in out and "**all heavy ops**" in out
+
+
+def test_fix_optimize_for_latency_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "cache"))
+    source = _save_quantized(tmp_path, "default")
+    target = tmp_path / "fast.onnx"
+    assert cli.main(["fix", str(source), str(target), "--optimize-for", "latency", "--latency-budget", "2",
+                     "--report"]) == cli.EXIT_OK
+    onnx.checker.check_model(onnx.load(target), full_check=True)
+    assert "latency placement:" in capsys.readouterr().out
