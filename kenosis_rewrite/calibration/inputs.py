@@ -11,8 +11,8 @@ What is inferred, per graph input (see :func:`infer_inputs`; ``InputSpec.reason`
   (1/f noise plus a few flat shapes with edges, random contrast), in [0, 1] before normalisation.
   The value range the model expects comes from, in this order:
   1. an in-graph normalisation: Sub/Add/Mul/Div by constants between the input and the first Conv.
-     The input is then raw pixels; the pixel scale (1 or 255) is the one that brings the
-     normalised values closest to unit magnitude;
+     The input is then raw pixels; the pixel scale (1 or 255) is the one whose normalised values
+     span closest to 3 (the span of [-1, 1] or ImageNet-normalised images);
   2. otherwise the first Conv: each candidate preprocessing (``CANDIDATE_PREPROCESSING``) is run
      through it. With a following BatchNormalization, the candidate whose per-channel output mean and
      std best match BN's running statistics wins. With a folded BN (a Conv bias), the candidate
@@ -252,7 +252,8 @@ def _infer_normalisation(graph: _Graph, found, channels: int, rng) -> tuple[floa
         scores = {}
         for scale in (1.0, 255.0):
             normalised = _affine_apply(graph, affine, _preprocessed(probe, scale, (0.0,), (1.0,), channels))
-            scores[scale] = abs(np.log(np.abs(normalised).max() / 2.0 + 1e-12))
+            spread = float(normalised.max() - normalised.min())
+            scores[scale] = abs(np.log(spread / 3.0 + 1e-12))
         scale = min(scores, key=scores.get)
         ops = "/".join(node.op_type for node, _ in affine)
         return scale, (0.0,), (1.0,), f"in-graph normalisation ({ops}) -> raw pixels in [0, {scale:g}]"
