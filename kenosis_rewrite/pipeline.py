@@ -1,9 +1,12 @@
-"""``fix()``: a thin pipeline over the rules and passes of one target.
+"""``fix()``: a thin pipeline over the rules and passes of one target (:mod:`kenosis_rewrite.targets`):
+the target's passes before the rules, its rewrite rules to a fixed point, its passes after, then
+clean-up.
 
 Order for ``ort-cpu`` (each step's module docstring states its transformation and exactness):
 
 1. ``activation-int8-to-uint8`` (pass, exact): every activation Q/DQ to uint8.
-2. Rewrite rules to a fixed point: Relu/Clip island folding, PRelu replacement.
+2. Rewrite rules to a fixed point: BatchNormalization folding, Relu/Clip island folding and zero
+   points to qmin, PRelu replacement.
 3. ``align-pass-through-qparams`` (pass, exact): parameters changed in 2 flow through MaxPool,
    Reshape, ...
 4. ``requantize-stale-bias`` (pass): int32 biases follow the input scales changed in 2 and 3.
@@ -21,30 +24,20 @@ from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter._rewrite_rule import RewriteRuleSet
 
 from kenosis_rewrite import _io
-from kenosis_rewrite.errors import KenosisError, RewriteError, UnsupportedTargetError
-from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
-from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
-from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
+from kenosis_rewrite.errors import KenosisError, RewriteError
 from kenosis_rewrite.report import FixReport
-from kenosis_rewrite.rules.activation_islands import (
-    ClipZeroPointToQmin,
-    FoldClipIsland,
-    FoldReluIsland,
-    ReluZeroPointToQmin,
-)
-from kenosis_rewrite.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldBatchNormIntoConvThroughQDQ
-from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
+from kenosis_rewrite.targets import TARGETS as _TARGETS
+from kenosis_rewrite.targets import get_target
 
 __all__ = ["TARGETS", "FixPass", "rules", "fix", "fix_with_report"]
 
-TARGETS = ("ort-cpu",)
+TARGETS = tuple(_TARGETS)
 _MAX_REWRITE_ROUNDS = 8
 _REWRITER_METADATA_PREFIX = "pkg.onnxscript"
 
 
 def _check_target(target: str) -> None:
-    if target not in TARGETS:
-        raise UnsupportedTargetError(f"Unknown target {target!r}; known targets: {', '.join(TARGETS)}.")
+    get_target(target)
 
 
 def rules(target: str = "ort-cpu", report: FixReport | None = None) -> RewriteRuleSet:
@@ -53,19 +46,7 @@ def rules(target: str = "ort-cpu", report: FixReport | None = None) -> RewriteRu
     Graph-wide steps (dtype retyping, parameter propagation, bias requantization) are onnx-ir
     passes, not rules: run :class:`FixPass` for the whole transformation.
     """
-    _check_target(target)
-    return RewriteRuleSet(
-        [
-            FoldBatchNormIntoConvThroughQDQ.rule(report),
-            FoldBatchNormIntoConv.rule(report),
-            FoldReluIsland.rule(report),
-            FoldClipIsland.rule(report),
-            ReluZeroPointToQmin.rule(report),
-            ClipZeroPointToQmin.rule(report),
-            PReluToLeakyRelu.rule(report),
-            PReluToReluMin.rule(report),
-        ]
-    )
+    return RewriteRuleSet(get_target(target).rules(report))
 
 
 class RewriteRulesPass(ir.passes.InPlacePass):
@@ -118,11 +99,11 @@ class FixPass(ir.passes.InPlacePass):
         self.report = report if report is not None else FixReport(target=target)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        target = get_target(self.target)
         steps = ir.passes.Sequential(
-            ActivationInt8ToUint8Pass(self.report),
+            *target.pre_passes(self.report),
             RewriteRulesPass(rules(self.target, self.report)),
-            PassThroughQParamsPass(self.report),
-            BiasRescalePass(self.report),
+            *target.post_passes(self.report),
         )
         result = steps(model)
         CleanupPass()(model)

@@ -205,3 +205,40 @@ class DequantizeAllPass(ir.passes.InPlacePass):
 
             RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=changed)
+
+
+class DequantizeBiasPass(ir.passes.InPlacePass):
+    """Biases of Conv/ConvTranspose/Gemm as float constants (TensorRT keeps biases in float).
+
+    Exact: the float bias is the value the int32 bias's DequantizeLinear produced.
+    """
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, cache, modified = model.graph, {}, False
+        for node in list(graph):
+            if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.inputs) < 3 or node.inputs[2] is None:
+                continue
+            producer = node.inputs[2].producer()
+            if not _qdq.is_dequantize(producer) or _qdq.const_array(producer.inputs[0]) is None:
+                continue
+            params = _qdq.quant_params(producer)
+            if params is None or params.block_size:
+                continue
+            value = node.inputs[2]
+            if id(value) not in cache:
+                array = _qdq.dequantize_array(_qdq.const_array(producer.inputs[0]), params).astype(params.scale.dtype)
+                name = _qdq.unique_name(graph, f"{value.name or 'bias'}_float")
+                cache[id(value)] = _qdq.add_initializer(graph, ir.tensor(array, name=name), name)
+            node.replace_input_with(2, cache[id(value)])
+            modified = True
+            if self.report is not None:
+                self.report.changed("float-bias", node.name or node.op_type, "int32 bias -> float", exact=True)
+        if modified:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+            RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, modified=modified)

@@ -1,0 +1,184 @@
+"""Move DequantizeLinear forward and QuantizeLinear backward through ops that commute with them,
+and remove the pairs that become redundant.
+
+Commuting ops ``P``: data-movement ops (Reshape, Transpose, Flatten, Squeeze, Unsqueeze, Slice,
+Identity, DepthToSpace, SpaceToDepth), MaxPool, and Concat when every input has the same
+parameters.
+
+* **DQ forward**: ``DQ(q; s, z) -> P``  ==>  ``P(q) -> DQ(.; s, z)``.
+  Proof: DQ is elementwise and strictly increasing for ``s > 0``. A data-movement op only selects
+  and places elements, so applying it before or after an elementwise map gives the same tensor;
+  ``max`` commutes with any increasing map (``max f(a_i) = f(max a_i)``), so MaxPool does too;
+  Concat of tensors dequantized with one (s, z) is the dequantization of their concatenation.
+  Exact. (MaxPool on 8-bit tensors needs opset >= 12; refused below.)
+* **Q backward**: ``P -> Q(s, z)``  ==>  ``Q(s, z) -> P``. Same proof: Q is elementwise and
+  non-decreasing (rounding then clamping), so it commutes with selection and with max. Exact.
+* **Redundant pairs**: ``DQ(s, z) -> Q(s, z)`` with identical parameters and type is the identity
+  on the quantized tensor (``rint((q - z) s / s) + z = q``, already in range), so consumers of the
+  Q read the DQ's input. Exact. Together with DQ forward this also removes ``Q -> DQ -> Q -> DQ``.
+
+TensorRT's explicit-quantization guide asks for this placement: Q/DQ pairs sit right at the inputs
+of the ops that consume them, with data movement done on int8 tensors.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.report import FixReport
+
+COMMUTING_OPS = frozenset(
+    {
+        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Identity", "DepthToSpace",
+        "SpaceToDepth", "MaxPool",
+    }
+)
+
+
+def _opset(model: ir.Model) -> int:
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+
+
+def _commutes(node: ir.Node, opset: int) -> bool:
+    if node.domain not in ("", "ai.onnx") or node.op_type not in COMMUTING_OPS:
+        return False
+    if node.op_type == "MaxPool":
+        return opset >= 12 and not (len(node.outputs) > 1 and node.outputs[1].uses())
+    return True
+
+
+def _copy_node(graph: ir.Graph, node: ir.Node, inputs: list[ir.Value | None], anchor: ir.Node) -> ir.Node:
+    copy = ir.Node(
+        node.domain, node.op_type, inputs, attributes=list(node.attributes.values()),
+        num_outputs=1, name=_qdq.unique_name(graph, f"{node.name or node.op_type}_q"),
+    )
+    graph.insert_after(anchor, copy)
+    return copy
+
+
+def _remove_unused(model: ir.Model, modified: bool) -> None:
+    if modified:
+        from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+        RemoveUnusedNodesPass()(model)
+
+
+def _redirect(old: ir.Value, new: ir.Value) -> None:
+    """Consumers (and the graph-output slot, keeping its name) of ``old`` read ``new``."""
+    graph = old.graph
+    if old.is_graph_output():
+        name, value_type, shape = old.name, old.type, old.shape
+        for index, output in enumerate(graph.outputs):
+            if output is old:
+                graph.outputs[index] = new
+        old.name = None
+        new.name, new.type, new.shape = name, value_type, shape
+    old.replace_all_uses_with(new)
+
+
+class DequantizeForwardPass(ir.passes.InPlacePass):
+    """``DQ -> P`` ==> ``P -> DQ`` for commuting ops; see the module docstring."""
+
+    rule_name = "move-dq-forward"
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, opset, modified = model.graph, _opset(model), False
+        for node in list(graph):
+            if node.graph is None or not _commutes(node, opset) and node.op_type != "Concat":
+                continue
+            modified |= self._move(graph, node, opset)
+        _remove_unused(model, modified)
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _move(self, graph: ir.Graph, node: ir.Node, opset: int) -> bool:
+        data_inputs = list(node.inputs) if node.op_type == "Concat" else node.inputs[:1]
+        dequantizers = [v.producer() if v is not None else None for v in data_inputs]
+        if not dequantizers or not all(_qdq.is_dequantize(dq) for dq in dequantizers):
+            return False
+        params = [_qdq.quant_params(dq) for dq in dequantizers]
+        if any(p is None or not p.is_per_tensor for p in params) or not all(p.same_as(params[0]) for p in params):
+            return False
+        if node.op_type == "MaxPool" and opset < 12:
+            return False
+        quantized = [dq.inputs[0] for dq in dequantizers]
+        moved = _copy_node(graph, node, quantized + list(node.inputs[len(data_inputs):]), node)
+        first = dequantizers[0]
+        dequantize = ir.Node(
+            "", "DequantizeLinear", [moved.outputs[0], *first.inputs[1:]],
+            attributes=list(first.attributes.values()), name=_qdq.unique_name(graph, f"{first.name or 'dq'}_forward"),
+        )
+        graph.insert_after(moved, dequantize)
+        _redirect(node.outputs[0], dequantize.outputs[0])
+        if self.report is not None:
+            self.report.changed(self.rule_name, node.name or node.op_type, f"{node.op_type} now runs on the quantized tensor", exact=True)
+        return True
+
+
+class QuantizeBackwardPass(ir.passes.InPlacePass):
+    """``P -> Q`` ==> ``Q -> P`` for commuting ops with a float (non-DQ) input."""
+
+    rule_name = "move-q-backward"
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, opset, modified = model.graph, _opset(model), False
+        for node in list(graph):
+            if _qdq.is_quantize(node):
+                modified |= self._move(graph, node, opset)
+        _remove_unused(model, modified)
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _move(self, graph: ir.Graph, quantize: ir.Node, opset: int) -> bool:
+        op = quantize.inputs[0].producer()
+        if op is None or not _commutes(op, opset) or op.inputs[0] is None:
+            return False
+        if _qdq.is_dequantize(op.inputs[0].producer()) or len(op.outputs[0].uses()) != 1:
+            return False  # DQ forward handles it / the float output is read elsewhere too
+        early = ir.Node(
+            "", "QuantizeLinear", [op.inputs[0], *quantize.inputs[1:]], attributes=list(quantize.attributes.values()),
+            name=_qdq.unique_name(graph, f"{quantize.name or 'q'}_backward"),
+        )
+        graph.insert_before(op, early)
+        moved = _copy_node(graph, op, [early.outputs[0], *op.inputs[1:]], early)
+        _redirect(quantize.outputs[0], moved.outputs[0])
+        if self.report is not None:
+            self.report.changed(self.rule_name, op.name or op.op_type, f"{op.op_type} now runs on the quantized tensor", exact=True)
+        return True
+
+
+class RedundantQDQPass(ir.passes.InPlacePass):
+    """``DQ(s, z) -> Q(s, z)`` ==> nothing: the Q's consumers read the quantized tensor."""
+
+    rule_name = "remove-redundant-qdq"
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for node in list(model.graph):
+            if not _qdq.is_quantize(node):
+                continue
+            dq = node.inputs[0].producer()
+            if not _qdq.is_dequantize(dq):
+                continue
+            if node.outputs[0].is_graph_output() or dq.inputs[0].is_graph_input() or dq.inputs[0].is_initializer():
+                continue
+            p_dq, p_q = _qdq.quant_params(dq), _qdq.quant_params(node)
+            if p_dq is None or p_q is None or not p_dq.same_as(p_q):
+                continue
+            _redirect(node.outputs[0], dq.inputs[0])
+            modified = True
+            if self.report is not None:
+                self.report.changed(self.rule_name, node.name or "QuantizeLinear", "DQ -> Q with identical parameters removed", exact=True)
+        _remove_unused(model, modified)
+        return ir.passes.PassResult(model, modified=modified)

@@ -1,0 +1,81 @@
+"""Tests of DQ-forward / Q-backward propagation and redundant pair removal."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from kenosis_rewrite import _testing
+from kenosis_rewrite.passes.qdq_propagation import DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
+
+CHAIN = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,4,4] x) => (float[1,2,2,2] y)
+<float s = {0.05}, int8 z = {0}>
+{
+  q1 = QuantizeLinear(x, s, z)
+  d1 = DequantizeLinear(q1, s, z)
+  m = MaxPool<kernel_shape=[2,2], strides=[2,2]>(d1)
+  q2 = QuantizeLinear(m, s, z)
+  y = DequantizeLinear(q2, s, z)
+}
+"""
+
+
+def _apply(proto, *passes):
+    model = ir.serde.deserialize_model(proto)
+    for p in passes:
+        p(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out
+
+
+def _feed():
+    return {"x": np.random.default_rng(0).uniform(-3, 3, (1, 2, 4, 4)).astype(np.float32)}
+
+
+def test_dq_forward_then_redundant_removal_runs_maxpool_on_int8_exactly():
+    proto = onnx.parser.parse_model(CHAIN)
+    out = _apply(proto, DequantizeForwardPass(), RedundantQDQPass())
+    assert _testing.op_types(out) == {"QuantizeLinear": 1, "MaxPool": 1, "DequantizeLinear": 1}
+    pool = next(n for n in out.graph.node if n.op_type == "MaxPool")
+    assert _testing.producer_of(out, pool.input[0]).op_type == "QuantizeLinear"
+    np.testing.assert_array_equal(_testing.outputs(out, _feed())[0], _testing.outputs(proto, _feed())[0])
+
+
+def test_q_backward_through_float_maxpool_is_exact():
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,2,4,4] x) => (float[1,2,2,2] y)
+    <float s = {0.05}, int8 z = {3}>
+    { r = Relu(x)  m = MaxPool<kernel_shape=[2,2], strides=[2,2]>(r)
+      q = QuantizeLinear(m, s, z)  y = DequantizeLinear(q, s, z) }""")
+    out = _apply(proto, QuantizeBackwardPass())
+    pool = next(n for n in out.graph.node if n.op_type == "MaxPool")
+    assert _testing.producer_of(out, pool.input[0]).op_type == "QuantizeLinear"
+    np.testing.assert_array_equal(_testing.outputs(out, _feed())[0], _testing.outputs(proto, _feed())[0])
+
+
+def test_concat_with_equal_parameters_runs_on_int8_and_different_ones_stay():
+    text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,2] a, float[1,2] b) => (float[1,4] y)
+    <float s = {0.05}, float t = {T}, int8 z = {0}>
+    { qa = QuantizeLinear(a, s, z)  da = DequantizeLinear(qa, s, z)
+      qb = QuantizeLinear(b, t, z)  db = DequantizeLinear(qb, t, z)
+      y = Concat<axis=1>(da, db) }"""
+    same = _apply(onnx.parser.parse_model(text.replace("T", "0.05")), DequantizeForwardPass())
+    assert _testing.producer_of(same, "y").op_type == "DequantizeLinear"
+    different = _apply(onnx.parser.parse_model(text.replace("T", "0.07")), DequantizeForwardPass())
+    assert _testing.producer_of(different, "y").op_type == "Concat"
+
+
+def test_redundant_pair_with_different_parameters_is_kept():
+    proto = onnx.parser.parse_model(CHAIN.replace("q2 = QuantizeLinear(m, s, z)", "q2 = QuantizeLinear(m, s2, z)")
+                                    .replace("y = DequantizeLinear(q2, s, z)", "y = DequantizeLinear(q2, s2, z)")
+                                    .replace("int8 z = {0}>", "int8 z = {0}, float s2 = {0.07}>"))
+    out = _apply(proto, DequantizeForwardPass(), RedundantQDQPass())
+    assert _testing.op_types(out)["QuantizeLinear"] == 2  # requantization stays
+    np.testing.assert_array_equal(_testing.outputs(out, _feed())[0], _testing.outputs(proto, _feed())[0])

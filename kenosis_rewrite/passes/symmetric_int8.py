@@ -1,0 +1,184 @@
+"""Requantize activations to symmetric int8 (zero point 0), as TensorRT and NPU compilers require.
+
+Transformation, per quantized activation tensor and per activation-typed constant::
+
+    Q(x; s, z) -> DQ(.; s, z)   ==>   Q(x; s', 0: int8) -> DQ(.; s', 0),   s' = max(-lo, hi) / 127
+
+where ``[lo, hi] = [s (qmin - z), s (qmax - z)]`` is the range the old quantizer represented, so
+the new one covers the same values (and their negatives). uint8 weights become int8 with zero point
+0 the same way, per channel when they were per-channel.
+
+A Q whose zero point was qmin clamped at 0, which may be a Relu that quantize_static deleted: a Relu
+is put back in front of the new Q, so the model computes the same function.
+
+Exactness: approximate. The range is kept, the grid changes: a tensor that used [lo, hi] with
+256 levels now spends half of its 255 levels on ``[-max, 0)``; for a one-sided tensor the step
+doubles. This is the price of the target's symmetric-only integer kernels (TensorRT explicit
+quantization accepts zero point 0 only). Per-axis or blocked activations, non-8-bit types, Q
+outputs that are graph outputs and Qs read by anything but DequantizeLinear are left alone and
+reported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.report import FixReport
+
+RULE_NAME = "symmetric-int8-activations"
+_QMAX = 127
+
+
+def _symmetric_scale(params: _qdq.QuantParams) -> np.ndarray:
+    scale = params.scale.astype(np.float64)
+    zero_point = params.zero_point.astype(np.float64)
+    reach = np.maximum(scale * (zero_point - params.qmin), scale * (params.qmax - zero_point))
+    reach = np.where(reach > 0, reach, scale)
+    return (reach / _QMAX).astype(params.scale.dtype)
+
+
+# Ops whose output is never negative, and ops that only move values of their first input around.
+_NON_NEGATIVE_OPS = frozenset({"Relu", "Sigmoid", "HardSigmoid", "Softmax", "Exp", "Abs", "Sqrt", "Softplus"})
+_VALUE_PRESERVING_OPS = frozenset(
+    {"MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Slice",
+     "Identity", "AveragePool", "GlobalAveragePool", "Concat", "Resize"}
+)
+
+
+def _known_non_negative(value: ir.Value | None, depth: int = 8) -> bool:
+    """True when ``value`` provably has no negative element (a Relu in front would be a no-op)."""
+    producer = value.producer() if value is not None else None
+    if producer is None or depth == 0:
+        return False
+    if producer.op_type in _NON_NEGATIVE_OPS:
+        return True
+    if producer.op_type == "Clip":
+        low = _qdq.const_array(producer.inputs[1]) if len(producer.inputs) > 1 else None
+        return low is not None and float(low.reshape(-1)[0]) >= 0
+    if _qdq.is_dequantize(producer):
+        params = _qdq.quant_params(producer)
+        if params is not None and bool(np.all(params.zero_point.astype(np.int64) == params.qmin)):
+            return True
+        quantize = producer.inputs[0].producer()
+        return _qdq.is_quantize(quantize) and _known_non_negative(quantize.inputs[0], depth - 1)
+    if producer.op_type in _VALUE_PRESERVING_OPS:
+        inputs = producer.inputs if producer.op_type == "Concat" else producer.inputs[:1]
+        return all(_known_non_negative(v, depth - 1) for v in inputs)
+    return False
+
+
+def _is_weight_use(node: ir.Node, index: int) -> bool:
+    return index == 1 and node.op_type in _qdq.WEIGHTED_OPS
+
+
+class SymmetricActivationsPass(ir.passes.InPlacePass):
+    """Every activation Q/DQ (and uint8 weight) to int8 with zero point 0."""
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def _refuse(self, where: str, reason: str) -> None:
+        if self.report is not None:
+            self.report.refused(RULE_NAME, where, reason)
+
+    def _params(self, graph: ir.Graph, base: str, scale: np.ndarray, shape) -> tuple[ir.Value, ir.Value]:
+        scale_name = _qdq.unique_name(graph, f"{base}_sym_scale")
+        scale_value = _qdq.add_initializer(graph, ir.tensor(scale.reshape(shape), name=scale_name), scale_name)
+        zp_name = _qdq.unique_name(graph, f"{base}_sym_zero_point")
+        zp_value = _qdq.add_initializer(graph, ir.tensor(np.zeros(shape, np.int8), name=zp_name), zp_name)
+        return scale_value, zp_value
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        modified = False
+        for node in list(graph):
+            if _qdq.is_quantize(node):
+                modified |= self._quantizer(graph, node)
+            elif _qdq.is_dequantize(node) and _qdq.const_array(node.inputs[0]) is not None:
+                modified |= self._constant(graph, node)
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _quantizer(self, graph: ir.Graph, node: ir.Node) -> bool:
+        params = _qdq.quant_params(node)
+        if params is None or params.dtype not in _qdq.EIGHT_BIT:
+            return False
+        if params.dtype == ir.DataType.INT8 and not np.any(params.zero_point):
+            return False
+        where = node.name or "QuantizeLinear"
+        output = node.outputs[0]
+        if not params.is_per_tensor:
+            self._refuse(where, "per-axis activation quantization is left as it is")
+            return False
+        if output.is_graph_output():
+            self._refuse(where, f"quantized tensor {output.name!r} is a graph output")
+            return False
+        consumers = _qdq.dequantize_consumers(output)
+        if consumers is None:
+            self._refuse(where, f"quantized tensor {output.name!r} is read by a non-DequantizeLinear node")
+            return False
+        scale = _symmetric_scale(params)
+        scale_value, zp_value = self._params(graph, output.name or "activation", scale, params.scale.shape)
+        restored = self._restore_relu(graph, node, params)
+        for user in (node, *consumers):
+            user.replace_input_with(1, scale_value)
+            if len(user.inputs) < 3:
+                user.resize_inputs(3)
+            user.replace_input_with(2, zp_value)
+        if "output_dtype" in node.attributes:
+            node.attributes["output_dtype"] = ir.AttrInt64("output_dtype", ir.DataType.INT8)
+        output.type = ir.TensorType(ir.DataType.INT8)
+        if self.report is not None:
+            detail = f"{params.describe()} -> int8 s={float(scale.reshape(-1)[0]):.6g} zp=0"
+            self.report.changed(RULE_NAME, where, detail + ("; Relu restored" if restored else ""), exact=False)
+        return True
+
+    @staticmethod
+    def _restore_relu(graph: ir.Graph, quantize: ir.Node, params: _qdq.QuantParams) -> bool:
+        """A Q with zero point qmin clamps at 0: it may stand for a Relu quantize_static deleted.
+
+        The symmetric Q no longer clamps there, so the Relu comes back in front of it.
+        """
+        if params.scalar_zero_point != params.qmin or _known_non_negative(quantize.inputs[0]):
+            return False
+        relu = ir.Node("", "Relu", [quantize.inputs[0]], name=_qdq.unique_name(graph, f"{quantize.name or 'q'}_relu"))
+        relu.outputs[0].name = _qdq.unique_name(graph, f"{quantize.inputs[0].name or 'x'}_relu")
+        graph.insert_before(quantize, relu)
+        quantize.replace_input_with(0, relu.outputs[0])
+        return True
+
+    def _constant(self, graph: ir.Graph, node: ir.Node) -> bool:
+        params = _qdq.quant_params(node)
+        if params is None or params.dtype not in _qdq.EIGHT_BIT or params.block_size:
+            return False
+        if params.dtype == ir.DataType.INT8 and not np.any(params.zero_point):
+            return False
+        weight = any(_is_weight_use(user, index) for user, index in node.outputs[0].uses())
+        values = _qdq.dequantize_array(_qdq.const_array(node.inputs[0]), params).astype(np.float64)
+        if params.is_per_tensor:
+            reach = np.max(np.abs(values)) if values.size else 0.0
+            scale = np.asarray(reach / _QMAX if reach > 0 else params.scalar_scale, dtype=params.scale.dtype).reshape(params.scale.shape)
+            quantized = np.rint(values / float(scale.reshape(-1)[0]))
+        else:
+            axis = params.axis % values.ndim
+            moved = np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1)
+            reach = np.max(np.abs(moved), axis=1)
+            scale = np.where(reach > 0, reach / _QMAX, params.scale.reshape(-1)).astype(params.scale.dtype)
+            shape = [1] * values.ndim
+            shape[axis] = -1
+            quantized = np.rint(values / scale.astype(np.float64).reshape(shape))
+        base = node.inputs[0].name or "constant"
+        data_name = _qdq.unique_name(graph, f"{base}_sym")
+        data = _qdq.add_initializer(graph, ir.tensor(np.clip(quantized, -_QMAX, _QMAX).astype(np.int8), name=data_name), data_name)
+        scale_value, zp_value = self._params(graph, base, scale, params.scale.shape)
+        node.replace_input_with(0, data)
+        node.replace_input_with(1, scale_value)
+        if len(node.inputs) < 3:
+            node.resize_inputs(3)
+        node.replace_input_with(2, zp_value)
+        if self.report is not None:
+            kind = "weight" if weight else "constant"
+            self.report.changed(RULE_NAME, node.name or base, f"{kind} {base}: {params.describe()} -> symmetric int8", exact=False)
+        return True

@@ -1,0 +1,62 @@
+"""Tests of the symmetric int8 requantization pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from kenosis_rewrite import _testing, fidelity, ort_quantize, toy_models
+from kenosis_rewrite.passes.symmetric_int8 import RULE_NAME, SymmetricActivationsPass
+from kenosis_rewrite.report import FixReport
+
+
+def _apply(proto):
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    SymmetricActivationsPass(report)(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report
+
+
+def test_range_is_kept_and_zero_point_is_zero():
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[8] x) => (float[8] y)
+    <float s = {0.1}, uint8 z = {100}>
+    { a = Sin(x)  q = QuantizeLinear(a, s, z)  y = DequantizeLinear(q, s, z) }""")
+    out, report = _apply(proto)
+    q = _testing.producer_of(out, "q")
+    assert float(_testing.initializer(out, q.input[1])) == pytest.approx(0.1 * 155 / 127)
+    assert _testing.initializer(out, q.input[2]).dtype == np.int8 and int(_testing.initializer(out, q.input[2])) == 0
+    assert [c.rule for c in report.changes] == [RULE_NAME]
+    feed = {"x": np.linspace(-1.6, 1.6, 8).astype(np.float32)}
+    np.testing.assert_allclose(_testing.outputs(out, feed)[0], np.sin(feed["x"]), atol=0.1 * 155 / 127 / 2 + 1e-6)
+
+
+def test_relu_the_quantizer_deleted_comes_back():
+    float_model = toy_models.build("conv_relu")
+    feeds = toy_models.random_feeds(float_model, 6)
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds[:3], "default")  # Relu folded into zp=-128
+    assert "Relu" not in _testing.op_types(qdq)
+    out, report = _apply(qdq)
+    assert _testing.op_types(out)["Relu"] == 1
+    assert any("Relu restored" in c.detail for c in report.changes)
+    scores = fidelity.compare_to_float(float_model, {"sym": out}, feeds[3:])
+    assert scores["sym"]["cosine"] > 0.999
+
+
+def test_uint8_weights_become_symmetric_int8_per_channel():
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,2,2,2] x) => (float[1,2,2,2] y)
+    <uint8[2,2,1,1] w = {10, 200, 128, 0}, float[2] sw = {0.01, 0.02}, uint8[2] zw = {128, 128}>
+    { dw = DequantizeLinear<axis=0>(w, sw, zw)  y = Conv(x, dw) }""")
+    out, _ = _apply(proto)
+    dq = _testing.producer_of(out, "dw")
+    weights = _testing.initializer(out, dq.input[0])
+    assert weights.dtype == np.int8 and not _testing.initializer(out, dq.input[2]).any()
+    feed = {"x": np.random.default_rng(0).standard_normal((1, 2, 2, 2)).astype(np.float32)}
+    np.testing.assert_allclose(_testing.outputs(out, feed)[0], _testing.outputs(proto, feed)[0], atol=0.02)

@@ -1,0 +1,94 @@
+"""Every placement target: where Q/DQ end up (structure) and what the model computes (numerics)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import kenosis_rewrite
+from kenosis_rewrite import _testing, fidelity, ort_quantize, targets, toy_models
+
+NETS = ["resnetish", "conv_silu", "conv_leakyrelu", "concat", "conv_relu_maxpool", "conv_hardswish", "conv_bn"]
+
+
+def _case(name, config="default"):
+    float_model = toy_models.build(name)
+    feeds = toy_models.random_feeds(float_model, 8)
+    return float_model, feeds, ort_quantize.quantize_with_ort(float_model, feeds[:4], config)
+
+
+def _activation_quantizers(model):
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    return [(n, inits.get(n.input[1]), inits.get(n.input[2]) if len(n.input) > 2 else None)
+            for n in model.graph.node if n.op_type == "QuantizeLinear"]
+
+
+def _reads_through_qdq(model, node):
+    """True when ``node``'s first input comes through a DequantizeLinear."""
+    producer = _testing.producer_of(model, node.input[0])
+    return producer is not None and producer.op_type == "DequantizeLinear"
+
+
+@pytest.mark.parametrize("target", list(targets.TARGETS))
+@pytest.mark.parametrize("name", NETS)
+def test_every_target_gives_a_valid_model_close_to_fp32(name, target):
+    float_model, feeds, qdq = _case(name)
+    fixed = kenosis_rewrite.fix(qdq, target=target)
+    onnx.checker.check_model(fixed, full_check=True)
+    assert [o.name for o in fixed.graph.output] == [o.name for o in qdq.graph.output]
+    scores = fidelity.compare_to_float(float_model, {"input": qdq, "fixed": fixed}, feeds[4:])
+    tolerance = 0.5 if target.startswith("ort") else 6.0  # symmetric int8 halves one-sided resolution
+    assert scores["fixed"]["sqnr_db"] >= scores["input"]["sqnr_db"] - tolerance, scores
+    assert scores["fixed"]["cosine"] > 0.995
+
+
+@pytest.mark.parametrize("name", NETS)
+def test_tensorrt_placement(name):
+    _, _, qdq = _case(name)
+    fixed = kenosis_rewrite.fix(qdq, target="tensorrt")
+    for _, scale, zero_point in _activation_quantizers(fixed):
+        assert zero_point is not None and zero_point.dtype == np.int8 and not zero_point.any()
+    for node in fixed.graph.node:
+        if node.op_type in ("Relu", "LeakyRelu", "HardSwish", "Sigmoid"):
+            producer = _testing.producer_of(fixed, node.input[0])
+            assert producer is None or producer.op_type != "DequantizeLinear" or \
+                _testing.producer_of(fixed, producer.input[0]).op_type not in ("QuantizeLinear",) or \
+                _testing.producer_of(fixed, _testing.producer_of(fixed, producer.input[0]).input[0]).op_type not in (
+                    "Conv", "MatMul", "Gemm"), f"Q/DQ left between a weighted op and {node.name}"
+        if node.op_type in ("Conv", "Gemm") and len(node.input) > 2:
+            assert _testing.producer_of(fixed, node.input[2]) is None, "TensorRT biases stay float"
+        if node.op_type == "MaxPool":
+            assert not _reads_through_qdq(fixed, node), "MaxPool should run on the int8 tensor"
+
+
+@pytest.mark.parametrize("name", ["resnetish", "conv_leakyrelu", "conv_hardswish"])
+def test_npu_placement_has_no_qdq_between_weighted_ops_and_activations(name):
+    _, _, qdq = _case(name)
+    fixed = kenosis_rewrite.fix(qdq, target="npu")
+    for node in fixed.graph.node:
+        if node.op_type in ("Relu", "LeakyRelu", "HardSwish"):
+            producer = _testing.producer_of(fixed, node.input[0])
+            assert producer.op_type in ("Conv", "Add", "MatMul", "Gemm"), (node.name, producer.op_type)
+    for _, _, zero_point in _activation_quantizers(fixed):
+        assert zero_point.dtype == np.int8 and not zero_point.any()
+
+
+def test_arm_target_keeps_int8_activations():
+    _, _, qdq = _case("resnetish", "sym")
+    fixed, report = kenosis_rewrite.fix(qdq, target="ort-cpu-arm", return_report=True)
+    assert "activation-int8-to-uint8" not in report.change_counts()
+    assert report.change_counts()["fold-relu-island"] == 7
+    zero_points = [zp for _, _, zp in _activation_quantizers(fixed)]
+    assert all(zp.dtype == np.int8 for zp in zero_points)
+    relu_quantizers = [zp for n, _, zp in _activation_quantizers(fixed)
+                       if getattr(_testing.producer_of(fixed, n.input[0]), "op_type", None) == "Relu"]
+    assert relu_quantizers and all(int(zp) == -128 for zp in relu_quantizers)
+
+
+def test_targets_are_data():
+    for name, target in targets.TARGETS.items():
+        assert target.name == name and target.facts.basis and target.facts.runtime
+        assert isinstance(kenosis_rewrite.rules(name), kenosis_rewrite.pipeline.RewriteRuleSet)
+    with pytest.raises(kenosis_rewrite.UnsupportedTargetError):
+        targets.get_target("tpu")
