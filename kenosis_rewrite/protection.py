@@ -1,0 +1,71 @@
+"""Fidelity protections: model outputs in FP32, metadata inputs never quantized.
+
+* **Model-output protection** (``OutputProtectionPass``): a graph output that leaves through
+  ``Q -> DQ`` loses resolution exactly where the user reads it (a softmax probability of 0.8 becomes
+  102/127). The pair is removed: the output is the producer's float value; a Clip(0, top) stands in
+  where the Q's clamp may have replaced a Relu (see :func:`passes.dequantize.remove_qdq_pair`).
+  ORT then runs a MatMul/Gemm producer as MatMulIntegerToFloat/QGemm with float output and a
+  Conv producer in float: the producing op computes in float when that is what it takes.
+* **Metadata-input protection** (``metadata_nodes``): float inputs that are not the image
+  (scale factors, image shapes, anchors) carry a handful of exact values; quantizing them with a
+  range calibrated on synthetic data corrupts them. Every node that reads a tensor computed only
+  from such inputs (and constants) is excluded from quantization.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.passes.dequantize import remove_qdq_pair
+from kenosis_rewrite.report import FixReport
+
+OUTPUT_RULE = "protect-model-outputs"
+METADATA_RULE = "protect-metadata-inputs"
+
+
+class OutputProtectionPass(ir.passes.InPlacePass):
+    """Graph outputs leave in float: the Q/DQ pair in front of each is removed."""
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for output in list(model.graph.outputs):
+            dq = output.producer()
+            if not _qdq.is_dequantize(dq) or not _qdq.is_quantize(dq.inputs[0].producer()):
+                continue
+            quantize = dq.inputs[0].producer()
+            name = output.name
+            if remove_qdq_pair(quantize):
+                modified = True
+                if self.report is not None:
+                    self.report.changed(OUTPUT_RULE, name or "output", "graph output computed in float", exact=False)
+        if modified:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+            RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def metadata_nodes(model: onnx.ModelProto, metadata_inputs: set[str]) -> list[str]:
+    """Names of the nodes that read a tensor computed only from ``metadata_inputs`` and constants."""
+    constants = {init.name for init in model.graph.initializer}
+    constants |= {out for node in model.graph.node if node.op_type == "Constant" for out in node.output}
+    metadata = set(metadata_inputs)
+    primary_reachable = {i.name for i in model.graph.input if i.name not in metadata_inputs and i.name not in constants}
+    excluded = []
+    for node in model.graph.node:  # topological order
+        inputs = [i for i in node.input if i and i not in constants]
+        from_primary = any(i in primary_reachable for i in inputs)
+        from_metadata = any(i in metadata for i in inputs)
+        if from_metadata:
+            excluded.append(node.name)
+        if from_primary:
+            primary_reachable.update(node.output)
+        elif from_metadata:
+            metadata.update(node.output)
+    return [name for name in excluded if name]

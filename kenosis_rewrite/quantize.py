@@ -1,0 +1,163 @@
+"""``quantize()``: the whole pipeline, as a layer over onnxruntime's own quantizer.
+
+1. Calibration feeds: the user's (feed dicts, a folder of images) or self-calibration
+   (:func:`kenosis_rewrite.calibration.synthetic_feeds`) when there are none.
+2. Metadata-input protection: nodes reading tensors computed only from non-image float inputs
+   are excluded from quantization (:mod:`kenosis_rewrite.protection`).
+3. ``onnxruntime.quantization.quantize_static`` in the configuration that measures best for the
+   target: on x86 ORT CPU uint8 activations (asymmetric, zero points represent 0.0 exactly),
+   int8 symmetric weights, per-channel by default, int32 biases; symmetric int8 for TensorRT/NPU.
+   Ranges come from :func:`kenosis_rewrite.calibration.collect_ranges` (min/max, percentile,
+   entropy or MSE).
+4. :func:`kenosis_rewrite.fix` for the target.
+5. Model-output protection (outputs leave in float), on by default.
+6. SNR sensitivity: layers below ``snr_threshold_db``, or the fewest layers that bring the output
+   cosine to ``target_cosine`` on the calibration feeds, go back to FP32
+   (:mod:`kenosis_rewrite.sensitivity`).
+7. Optionally, latency-aware placement (``optimize_for="latency"``).
+
+Every decision is in the returned :class:`FixReport`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnxruntime.quantization import QuantFormat, QuantType
+
+from kenosis_rewrite import _io, calibration as calib
+from kenosis_rewrite import sensitivity
+from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.ort_quantize import _quiet_root_logger
+from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
+from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, metadata_nodes
+from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.targets import get_target
+
+__all__ = ["quantize", "quantize_static_options"]
+
+
+def quantize_static_options(target: str, per_channel: bool) -> dict:
+    """quantize_static keyword arguments that measure best for ``target``."""
+    get_target(target)
+    symmetric = target in ("tensorrt", "npu")
+    return {
+        "quant_format": QuantFormat.QDQ,
+        "activation_type": QuantType.QInt8 if symmetric or target == "ort-cpu-arm" else QuantType.QUInt8,
+        "weight_type": QuantType.QInt8,
+        "per_channel": per_channel,
+        "extra_options": {"ActivationSymmetric": symmetric, "WeightSymmetric": True},
+    }
+
+
+def _feeds(model: onnx.ModelProto, calibration, samples: int, seed: int) -> tuple[list[dict], str]:
+    if calibration is None or (isinstance(calibration, str) and calibration == "synthetic"):
+        return calib.synthetic_feeds(model, samples, seed), f"synthetic ({samples} samples)"
+    if isinstance(calibration, (str, os.PathLike)):
+        feeds = list(calib.image_feeds(model, sorted(p for p in _image_paths(calibration)), n=samples, seed=seed))
+        if not feeds:
+            raise KenosisError(f"no images found under {os.fspath(calibration)!r}")
+        return feeds, f"{len(feeds)} images from {os.fspath(calibration)}"
+    feeds = [dict(f) for f in itertools.islice(iter(calibration), samples)]
+    if not feeds:
+        raise KenosisError("the calibration iterable is empty")
+    return feeds, f"{len(feeds)} user feeds"
+
+
+def _image_paths(folder) -> list[str]:
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise KenosisError(f"calibration {folder!r} is neither 'synthetic' nor a folder of images")
+    suffixes = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+    return [os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(suffixes)]
+
+
+def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
+    specs = calib.infer_inputs(model)
+    if not any(s.kind == "image" for s in specs):
+        return set()
+    return {s.name for s in specs if s.kind in ("metadata", "float")}
+
+
+def quantize(
+    float_model: _io.ModelLike,
+    calibration: Iterable[Mapping[str, np.ndarray]] | str | os.PathLike | None = None,
+    *,
+    per_channel: bool = True,
+    target: str = "ort-cpu",
+    calibration_samples: int = 32,
+    calibration_method: str = "minmax",
+    protect_outputs: bool = True,
+    protect_metadata_inputs: bool = True,
+    snr_threshold_db: float | None = None,
+    target_cosine: float | None = None,
+    optimize_for: str | None = None,
+    latency_budget_s: float = 60.0,
+    seed: int = 0,
+    return_report: bool = False,
+):
+    """Quantize an FP32 model for ``target`` and return a fixed, protected QDQ model.
+
+    Args:
+        float_model: the FP32 model (ModelProto, onnx_ir.Model or path).
+        calibration: feed dicts, a folder of images, ``"synthetic"`` or None (self-calibration).
+        per_channel: per-channel int8 weights (recommended).
+        target: placement target (see :mod:`kenosis_rewrite.targets`).
+        calibration_samples: how many calibration samples to use.
+        calibration_method: ``"minmax"``, ``"percentile"``, ``"entropy"`` or ``"mse"``.
+        protect_outputs: keep graph outputs in float (on by default).
+        protect_metadata_inputs: never quantize tensors computed only from non-image inputs.
+        snr_threshold_db: keep in FP32 every layer whose weight SNR or local SQNR is below this.
+        target_cosine: keep in FP32 the fewest layers that bring the output cosine (against FP32,
+            on the calibration feeds) to this value.
+        optimize_for: ``"latency"`` adds measured per-layer integer/float placement.
+
+    Returns:
+        The model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
+    """
+    loaded = _io.load(float_model, require_qdq=False)
+    proto = ir.serde.serialize_model(loaded.model)
+    report = FixReport(target=target)
+    feeds, source = _feeds(proto, calibration, calibration_samples, seed)
+    report.note(f"calibration: {source}, method {calibration_method}")
+    options = quantize_static_options(target, per_channel)
+    if protect_metadata_inputs:
+        metadata = _metadata_inputs(proto)
+        excluded = metadata_nodes(proto, metadata) if metadata else []
+        if excluded:
+            options["nodes_to_exclude"] = excluded
+            for name in excluded:
+                report.changed(METADATA_RULE, name, "reads a tensor computed only from metadata inputs: not quantized", exact=True)
+    try:
+        ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False)
+        with _quiet_root_logger():
+            qdq = calib.quantize_with_ranges(proto, ranges, **options)
+    except KenosisError:
+        raise
+    except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
+        raise KenosisError(f"onnxruntime's quantize_static failed on this model: {error}") from None
+    model = ir.serde.deserialize_model(qdq)
+    FixPass(target, report)(model)
+    if protect_outputs:
+        OutputProtectionPass(report)(model)
+    if snr_threshold_db is not None or target_cosine is not None:
+        chosen, analysis, reasons = sensitivity.select_fp32_layers(
+            proto, model, feeds, threshold_db=snr_threshold_db, target_cosine=target_cosine
+        )
+        sensitivity.keep_fp32(model, chosen, report, reasons)
+        report.note(f"sensitivity: {len(chosen)} of {len(analysis)} layers kept in FP32")
+    CleanupPass()(model)
+    if optimize_for == "latency":
+        _latency_placement(model, report, feeds, latency_budget_s, 1)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    from kenosis_rewrite import fidelity  # noqa: PLC0415
+
+    report.fidelity = fidelity.compare_to_float(proto, {"quantize_static": qdq, "quantized": out}, feeds[: min(8, len(feeds))])
+    result = model if loaded.returns == "ir" else out
+    return (result, report) if return_report else result

@@ -1,0 +1,228 @@
+"""Per-layer SNR sensitivity analysis, and keeping the fragile layers in FP32.
+
+For every Conv/ConvTranspose/MatMul/Gemm of a quantized model, against its FP32 original on
+calibration feeds (ONNX Runtime, reference semantics: no graph optimisation):
+
+* **weight SNR**: ``10 log10(|w|^2 / |w - DQ(w_q)|^2)`` of the float weights against the
+  dequantized ones;
+* **output SQNR**: of the layer's output tensor in the quantized model against the same tensor of
+  the FP32 model (accumulated error);
+* **local SQNR**: the noise this layer adds, noise powers being additive:
+  ``N_local = N_out - N_in`` (relative to the signal), ``local = 10 log10(S / N_local)``.
+
+``select_fp32_layers`` turns that into decisions: every layer whose weight SNR or local SQNR is
+below ``threshold_db``; or, given a fidelity target (cosine of the model outputs against FP32 on the
+feeds), the fewest layers, most sensitive first, that reach it (binary search on the count).
+Keeping a layer in FP32 dequantizes its weights and removes the Q/DQ pairs on its input and its
+output (:func:`keep_fp32`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from kenosis_rewrite import _io, _qdq, fidelity
+from kenosis_rewrite.passes.dequantize import dequantize_constants, remove_qdq_pair
+from kenosis_rewrite.report import FixReport
+
+RULE_NAME = "keep-fp32-sensitive-layer"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSensitivity:
+    name: str
+    op_type: str
+    weight_snr_db: float
+    output_sqnr_db: float
+    local_sqnr_db: float
+
+    @property
+    def score_db(self) -> float:
+        """Lower is more sensitive."""
+        return min(self.weight_snr_db, self.local_sqnr_db)
+
+
+def _snr_db(reference: np.ndarray, candidate: np.ndarray) -> float:
+    return fidelity.sqnr_db(np.asarray(reference, np.float64), np.asarray(candidate, np.float64))
+
+
+def _source_name(value: ir.Value | None) -> str | None:
+    """The float tensor a dequantized activation stands for (the input of its QuantizeLinear)."""
+    producer = value.producer() if value is not None else None
+    if _qdq.is_dequantize(producer):
+        quantize = producer.inputs[0].producer()
+        if _qdq.is_quantize(quantize):
+            return quantize.inputs[0].name
+    return value.name if value is not None else None
+
+
+def _with_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    existing = {o.name for o in model.graph.output}
+    for name in names:
+        if name not in existing:
+            model.graph.output.append(onnx.ValueInfoProto(name=name))
+    return model
+
+
+def _run_all(proto: onnx.ModelProto, names: list[str], feeds) -> dict[str, list[np.ndarray]]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(_with_outputs(proto, names).SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    available = {o.name for o in session.get_outputs()}
+    wanted = [n for n in names if n in available]
+    results: dict[str, list[np.ndarray]] = {n: [] for n in wanted}
+    for feed in feeds:
+        for name, value in zip(wanted, session.run(wanted, dict(feed))):
+            results[name].append(value)
+    return results
+
+
+def analyze(float_model: _io.ModelLike, quantized: _io.ModelLike, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[LayerSensitivity]:
+    """Sensitivity of every heavy op of ``quantized`` (see the module docstring)."""
+    float_proto = _io.to_output(_io.LoadedModel(_io.load(float_model, require_qdq=False).model, "proto"))
+    loaded = _io.load(quantized, require_qdq=False).model
+    float_values = {v for node in float_proto.graph.node for v in node.output}
+    float_weights = {init.name: init for init in float_proto.graph.initializer}
+    float_nodes = {node.name: node for node in float_proto.graph.node if node.name}
+    layers, names = [], set()
+    for node in loaded.graph:
+        if node.op_type not in _qdq.WEIGHTED_OPS:
+            continue
+        out_name, in_name = node.outputs[0].name, _source_name(node.inputs[0])
+        if out_name in float_values:
+            layers.append((node, in_name, out_name))
+            names.update(n for n in (in_name, out_name) if n in float_values)
+    names = sorted(names)
+    reference = _run_all(float_proto, names, feeds)
+    quantized_values = _run_all(ir.serde.serialize_model(loaded), names, feeds)
+    results = []
+    for node, in_name, out_name in layers:
+        out_sqnr = _series_sqnr(reference.get(out_name), quantized_values.get(out_name))
+        in_sqnr = _series_sqnr(reference.get(in_name), quantized_values.get(in_name)) if in_name else float("inf")
+        results.append(LayerSensitivity(
+            node.name or out_name, node.op_type, _weight_snr(node, float_nodes, float_weights),
+            out_sqnr, _local_db(in_sqnr, out_sqnr),
+        ))
+    return results
+
+
+def _series_sqnr(reference: list | None, candidate: list | None) -> float:
+    if not reference or not candidate:
+        return float("inf")
+    return _snr_db(np.concatenate([r.reshape(-1) for r in reference]), np.concatenate([c.reshape(-1) for c in candidate]))
+
+
+def _local_db(in_db: float, out_db: float) -> float:
+    noise = 10 ** (-out_db / 10) - (10 ** (-in_db / 10) if np.isfinite(in_db) else 0.0)
+    return float("inf") if noise <= 0 else float(-10 * np.log10(noise))
+
+
+def _weight_snr(node: ir.Node, float_nodes: dict, float_weights: dict) -> float:
+    original = float_nodes.get(node.name)
+    dq = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if original is None or len(original.input) < 2 or original.input[1] not in float_weights or not _qdq.is_dequantize(dq):
+        return float("inf")
+    params, data = _qdq.quant_params(dq), _qdq.const_array(dq.inputs[0])
+    if params is None or data is None or params.block_size:
+        return float("inf")
+    weights = onnx.numpy_helper.to_array(float_weights[original.input[1]])
+    dequantized = _qdq.dequantize_array(data, params)
+    if weights.shape != dequantized.shape:
+        return float("inf")  # folded (e.g. BatchNormalization): not comparable
+    return _snr_db(weights, dequantized)
+
+
+_ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSwish", "HardSigmoid", "Tanh", "PRelu"})
+
+
+def _output_quantizers(node: ir.Node) -> list[ir.Node]:
+    """The Qs reading ``node``'s output, directly or through a chain of single-consumer activations."""
+    value = node.outputs[0]
+    for _ in range(4):
+        users = [user for user, _ in value.uses()]
+        if len(users) == 1 and users[0].op_type in _ACTIVATIONS:
+            value = users[0].outputs[0]
+            continue
+        break
+    return [user for user, _ in value.uses() if _qdq.is_quantize(user)]
+
+
+def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = None,
+              reasons: Mapping[str, str] | None = None) -> int:
+    """Return the named layers to FP32: float weights, unquantized input and output.
+
+    The Q/DQ pairs on the layer's input and output are removed even when a neighbour then loses
+    its integer kernel: fidelity first; the report says which layers, and the benchmark what it costs.
+    """
+    wanted, float_nodes, count = set(names), set(), 0
+    for node in list(model.graph):
+        if node.name not in wanted or node.op_type not in _qdq.WEIGHTED_OPS:
+            continue
+        float_nodes.add(id(node))
+        dequantize_constants(node, model.graph)
+        dq = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if _qdq.is_dequantize(dq) and _qdq.is_quantize(dq.inputs[0].producer()):
+            remove_qdq_pair(dq.inputs[0].producer())
+        for quantize in _output_quantizers(node):
+            remove_qdq_pair(quantize)
+        count += 1
+        if report is not None:
+            report.changed(RULE_NAME, node.name, (reasons or {}).get(node.name, "kept in FP32"), exact=False)
+    from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+    RemoveUnusedNodesPass()(model)
+    return count
+
+
+def _cosine(reference: list[list[np.ndarray]], proto: onnx.ModelProto, feeds) -> float:
+    outputs = fidelity.run(proto, feeds)
+    return fidelity._scores(reference, outputs)["cosine"]
+
+
+def select_fp32_layers(
+    float_model: _io.ModelLike,
+    quantized: ir.Model,
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    *,
+    threshold_db: float | None = None,
+    target_cosine: float | None = None,
+) -> tuple[list[str], list[LayerSensitivity], dict[str, str]]:
+    """(layers to keep in FP32, the analysis, a reason per chosen layer)."""
+    analysis = analyze(float_model, quantized, feeds)
+    ranked = sorted(analysis, key=lambda layer: layer.score_db)
+    reasons = {
+        layer.name: f"weight SNR {layer.weight_snr_db:.1f} dB, local SQNR {layer.local_sqnr_db:.1f} dB"
+        for layer in analysis
+    }
+    chosen: list[str] = []
+    if threshold_db is not None:
+        chosen = [layer.name for layer in ranked if layer.score_db < threshold_db]
+    if target_cosine is not None:
+        float_proto = _io.to_output(_io.LoadedModel(_io.load(float_model, require_qdq=False).model, "proto"))
+        reference = fidelity.run(float_proto, feeds)
+
+        def cosine_with(count: int) -> float:
+            copy = ir.serde.deserialize_model(ir.serde.serialize_model(quantized))
+            keep_fp32(copy, sorted(set(chosen) | {layer.name for layer in ranked[:count]}))
+            return _cosine(reference, ir.serde.serialize_model(copy), feeds)
+
+        low, high = 0, len(ranked)
+        if cosine_with(0) < target_cosine:
+            while low < high:  # smallest count reaching the target (cosine grows with the count)
+                middle = (low + high) // 2
+                if cosine_with(middle) >= target_cosine:
+                    high = middle
+                else:
+                    low = middle + 1
+            chosen = sorted(set(chosen) | {layer.name for layer in ranked[:low]}, key=[l.name for l in ranked].index)
+    return chosen, analysis, reasons

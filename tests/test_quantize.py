@@ -1,0 +1,103 @@
+"""quantize(): the full pipeline with self-calibration and fidelity protections."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kenosis_rewrite
+from kenosis_rewrite import _testing, fidelity, ort_quantize, protection, sensitivity, toy_models
+from kenosis_rewrite.quantize import quantize
+
+
+def test_self_calibrated_quantize_is_all_integer_and_protects_outputs():
+    float_model = toy_models.build("resnetish")
+    quantized, report = quantize(float_model, return_report=True)
+    onnx.checker.check_model(quantized, full_check=True)
+    optimized = _testing.ort_optimized_op_types(quantized)
+    assert optimized["QLinearConv"] == 7 and optimized["Conv"] == 0
+    output_producer = _testing.producer_of(quantized, quantized.graph.output[0].name)
+    assert output_producer.op_type != "DequantizeLinear"  # the output leaves in float
+    assert report.change_counts()["protect-model-outputs"] == 1
+    assert "calibration: synthetic" in report.summary()
+    feeds = toy_models.random_feeds(float_model, 6, seed=3)
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    scores = fidelity.compare_to_float(float_model, {"ort": qdq, "ours": quantized}, feeds)
+    assert scores["ours"]["cosine"] > 0.999
+
+
+def test_user_feeds_and_percentile_method():
+    float_model = toy_models.build("conv_add_relu")
+    feeds = toy_models.random_feeds(float_model, 8)
+    quantized, report = quantize(float_model, feeds, calibration_method="percentile", return_report=True)
+    assert "8 user feeds, method percentile" in report.summary()
+    assert fidelity.compare_to_float(float_model, {"q": quantized}, feeds)["q"]["cosine"] > 0.999
+
+
+def _with_metadata_input() -> onnx.ModelProto:
+    """image -> Conv -> Mul(scale_factor) -> y: 'scale_factor' is a metadata input."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32), "w")
+    nodes = [
+        helper.make_node("Conv", ["image", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Mul", ["scale_factor", "scale_factor"], ["s2"], name="square_scale"),
+        helper.make_node("Mul", ["r", "s2"], ["y"], name="apply_scale"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 32, 32]),
+         helper.make_tensor_value_info("scale_factor", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 32, 32])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_metadata_inputs_are_never_quantized():
+    model = _with_metadata_input()
+    assert protection.metadata_nodes(model, {"scale_factor"}) == ["square_scale", "apply_scale"]
+    quantized, report = quantize(model, return_report=True)
+    assert report.change_counts()["protect-metadata-inputs"] == 2
+    square = next(n for n in quantized.graph.node if n.name == "square_scale")
+    assert list(square.input) == ["scale_factor", "scale_factor"]  # no Q/DQ on the metadata path
+    feed = {"image": np.random.default_rng(1).uniform(0, 1, (1, 3, 32, 32)).astype(np.float32),
+            "scale_factor": np.array([3.7], np.float32)}  # a value calibration never saw
+    reference = _testing.outputs(model, feed)[0]
+    assert fidelity.cosine(reference, _testing.outputs(quantized, feed)[0]) > 0.999
+
+
+def test_sensitivity_analysis_reports_every_layer_and_threshold_keeps_the_weak_ones():
+    float_model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(float_model, 6)
+    qdq = kenosis_rewrite.fix(ort_quantize.quantize_with_ort(float_model, feeds, "u8s8"))
+    analysis = sensitivity.analyze(float_model, qdq, feeds)
+    convs = [n.name for n in qdq.graph.node if n.op_type == "Conv"]
+    assert {layer.name for layer in analysis} >= set(convs)
+    assert all(20 < layer.weight_snr_db < 60 for layer in analysis if layer.name in convs)
+    threshold = sorted(layer.score_db for layer in analysis)[2]  # the two weakest layers
+    quantized, report = quantize(float_model, feeds, snr_threshold_db=threshold, return_report=True)
+    kept = [c.where for c in report.changes if c.rule == "keep-fp32-sensitive-layer"]
+    assert len(kept) >= 1 and all("weight SNR" in c.detail for c in report.changes if c.rule == "keep-fp32-sensitive-layer")
+    kernels = {op.name: op.kernel for op in kenosis_rewrite.explain(quantized).ops}
+    assert all(kernels[name] == "float" for name in kept)
+
+
+def test_fidelity_target_never_makes_things_worse():
+    float_model = toy_models.build("conv_bn")
+    feeds = toy_models.random_feeds(float_model, 8)
+    plain, plain_report = quantize(float_model, feeds, return_report=True)
+    strict, strict_report = quantize(float_model, feeds, target_cosine=0.99999, return_report=True)
+    assert strict_report.fidelity["quantized"]["cosine"] >= plain_report.fidelity["quantized"]["cosine"] - 1e-6
+    assert "sensitivity:" in strict_report.summary()
+
+
+@pytest.mark.parametrize("target", ["tensorrt", "npu", "ort-cpu-arm"])
+def test_other_targets_quantize_symmetric_or_int8(target):
+    float_model = toy_models.build("conv_relu")
+    quantized = quantize(float_model, target=target)
+    zero_points = [onnx.numpy_helper.to_array(t) for t in quantized.graph.initializer if "zero_point" in t.name]
+    eight_bit = [z for z in zero_points if z.dtype in (np.int8, np.uint8)]
+    assert eight_bit and all(z.dtype == np.int8 for z in eight_bit)
+    if target != "ort-cpu-arm":
+        assert not any(z.any() for z in eight_bit)  # symmetric
