@@ -239,6 +239,25 @@ def constant_or_dequantized(value: ir.Value | None) -> np.ndarray | None:
     if not is_dequantize(producer):
         return None
     data, params = const_array(producer.inputs[0]), quant_params(producer)
-    if data is None or params is None or params.block_size:
+    if params is None or params.block_size:
         return None
+    if data is None:  # a Constant node treated as an activation: DQ(Q(constant))
+        quantize = producer.inputs[0].producer()
+        source = const_array(quantize.inputs[0]) if is_quantize(quantize) else None
+        q_params = quant_params(quantize) if source is not None else None
+        if q_params is None or not q_params.same_as(params):
+            return None
+        data = quantize_array(source, params)
     return dequantize_array(data, params)
+
+
+def quantize_array(values: np.ndarray, params: QuantParams) -> np.ndarray:
+    """``clip(rint(values / scale) + zero_point)`` as QuantizeLinear computes it (half to even)."""
+    scale = params.scale.astype(np.float32)
+    zero_point = params.zero_point.astype(np.float64)
+    if scale.size > 1:
+        shape = [1] * values.ndim
+        shape[params.axis % values.ndim] = scale.size
+        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    quantized = np.rint(values.astype(np.float32) / scale) + zero_point
+    return np.clip(quantized, params.qmin, params.qmax).astype(params.dtype.numpy())

@@ -22,6 +22,9 @@ and the BN disappears. BN parameters that quantize_static stored behind a Dequan
 read dequantized, i.e. as the input model computes them. A weight of -128 in a channel with
 ``a < 0`` saturates to 127 (one step) and is reported.
 
+Before opset 13 DequantizeLinear has no axis: the folded weights are then re-rounded onto one
+per-tensor scale (one more rounding of the weights, reported).
+
 Refused with a reason: a quantized Conv whose BN output is not quantized (the Conv would lose its
 output quantizer and run float), non-constant BN parameters or weights, training-mode BN, weights with
 non-zero zero points or blocked scales, a per-axis weight scale not on the output-channel axis,
@@ -42,6 +45,7 @@ __all__ = ["FoldBatchNormIntoConv", "FoldBatchNormIntoConvThroughQDQ", "batchnor
 
 RULE_NAME = "fold-batchnorm-into-conv"
 _INT32 = np.iinfo(np.int32)
+_PER_AXIS_OPSET = 13  # DequantizeLinear's axis attribute
 
 
 def _bn_affine(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | str:
@@ -59,6 +63,31 @@ def _bn_affine(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | str:
     return a, beta - mean * a
 
 
+def _fold_into_scales(weights: np.ndarray, params: _qdq.QuantParams, a: np.ndarray):
+    """Symmetric int8 weights: |a| moves into per-channel scales, the integers only change sign."""
+    channels = weights.shape[0]
+    weight_scale = np.broadcast_to(params.scale.astype(np.float64).reshape(-1), (channels,))
+    sign = np.where(a < 0, -1, 1).reshape((channels,) + (1,) * (weights.ndim - 1))
+    new_weights = weights.astype(np.int32) * sign
+    saturated = int(np.count_nonzero(new_weights > 127))
+    new_weights = np.clip(new_weights, -128, 127)
+    new_weights[a == 0] = 0  # a zero ``a`` zeroes the channel; its scale stays valid (positive)
+    new_scale = np.where(a == 0, weight_scale, weight_scale * np.abs(a)).astype(params.scale.dtype)
+    return new_weights, new_scale, saturated
+
+
+def _requantize_folded(weights: np.ndarray, params: _qdq.QuantParams, a: np.ndarray, per_tensor: bool):
+    """Other weights: fold in float, then round to symmetric int8 (per channel, or one scale)."""
+    channels = weights.shape[0]
+    values = _qdq.dequantize_array(weights, params).astype(np.float64)
+    values *= a.reshape((channels,) + (1,) * (weights.ndim - 1))
+    flat = np.abs(values.reshape(channels, -1))
+    reach = np.full(channels, flat.max()) if per_tensor else flat.max(axis=1)
+    scale = np.where(reach > 0, reach / 127, 1.0)
+    new_weights = np.clip(np.rint(values / scale.reshape((channels,) + (1,) * (weights.ndim - 1))), -127, 127)
+    return new_weights.astype(np.int8), scale.astype(params.scale.dtype)
+
+
 class _FoldBatchNorm(RewriteRuleClassBase):
     def __init__(self, report: FixReport | None = None):
         super().__init__(name=RULE_NAME)
@@ -70,9 +99,9 @@ class _FoldBatchNorm(RewriteRuleClassBase):
         return MatchResult().fail(reason)
 
     def check(self, context, x, w, conv_out, bn_out, q=None, dq=None, **_) -> MatchResult:
-        del context
         conv, bn = conv_out.producer(), bn_out.producer()
         where = bn.name or str(bn_out.name)
+        self._opset = context.model.opset_imports.get("", context.model.opset_imports.get("ai.onnx", 0))
         for value in (conv_out, q, dq):
             if value is not None and (len(value.uses()) != 1 or value.is_graph_output()):
                 return self._fail(where, f"{value.name!r} is read by other nodes or is a graph output")
@@ -88,8 +117,8 @@ class _FoldBatchNorm(RewriteRuleClassBase):
         if not _qdq.is_dequantize(weight_dq) or _qdq.const_array(weight_dq.inputs[0]) is None:
             return self._fail(where, "the Conv weight is not a dequantized constant")
         params = _qdq.quant_params(weight_dq)
-        if params is None or params.block_size or np.any(params.zero_point != 0):
-            return self._fail(where, "the Conv weight needs constant, unblocked parameters with zero point 0")
+        if params is None or params.block_size or params.dtype not in _qdq.EIGHT_BIT:
+            return self._fail(where, "the Conv weight needs constant, unblocked 8-bit parameters")
         if not params.is_per_tensor and params.axis != 0:
             return self._fail(where, f"per-axis weight scale on axis {params.axis}, not the output channels")
         channels = _qdq.const_array(weight_dq.inputs[0]).shape[0]
@@ -104,18 +133,20 @@ class _FoldBatchNorm(RewriteRuleClassBase):
         conv, bn, weight_dq = conv_out.producer(), bn_out.producer(), w.producer()
         a, c = _bn_affine(bn)
         params = _qdq.quant_params(weight_dq)
-        weights = _qdq.const_array(weight_dq.inputs[0]).astype(np.int32)
+        weights = _qdq.const_array(weight_dq.inputs[0])
         channels = weights.shape[0]
         a, c = np.broadcast_to(a, (channels,)), np.broadcast_to(c, (channels,))
-        weight_scale = np.broadcast_to(params.scale.astype(np.float64).reshape(-1), (channels,))
-        sign = np.where(a < 0, -1, 1).reshape((channels,) + (1,) * (weights.ndim - 1))
-        new_weights = weights * sign
-        saturated = int(np.count_nonzero(new_weights > 127)) if params.dtype == ir.DataType.INT8 else 0
-        qmin, qmax = _qdq.INTEGER_RANGES[params.dtype]
-        new_weights = np.clip(new_weights, qmin, qmax)
-        # A zero ``a`` zeroes the channel: keep a valid (positive) scale and zero weights.
-        new_weights[a == 0] = 0
-        new_scale = np.where(a == 0, weight_scale, weight_scale * np.abs(a)).astype(params.scale.dtype)
+        per_tensor = getattr(self, "_opset", _PER_AXIS_OPSET) < _PER_AXIS_OPSET
+        symmetric_int8 = params.dtype == ir.DataType.INT8 and not np.any(params.zero_point)
+        if symmetric_int8 and not per_tensor:
+            new_weights, new_scale, saturated = _fold_into_scales(weights, params, a)
+            how = "weight scale per channel, integer weights kept"
+        else:
+            new_weights, new_scale = _requantize_folded(weights, params, a, per_tensor)
+            saturated = 0
+            how = ("weights re-rounded onto one scale (opset < 13 has no per-axis DequantizeLinear)"
+                   if per_tensor else "weights re-rounded to symmetric int8 per channel")
+        weight_type = np.int8
 
         bias = np.zeros(channels)
         if len(conv.inputs) > 2 and conv.inputs[2] is not None:
@@ -131,24 +162,36 @@ class _FoldBatchNorm(RewriteRuleClassBase):
             names.add(name)
             return op.initializer(ir.tensor(np.asarray(tensor_values, dtype=dtype), name=name), name=name)
 
-        weight_value = op.DequantizeLinear(
-            initializer(new_weights, params.dtype.numpy(), "weight"),
-            initializer(new_scale, params.scale.dtype, "weight_scale"),
-            initializer(np.zeros(channels), params.dtype.numpy(), "weight_zero_point"),
-            axis=0,
-        )
+        if per_tensor:
+            weight_value = op.DequantizeLinear(
+                initializer(new_weights, weight_type, "weight"),
+                initializer(new_scale[0], params.scale.dtype, "weight_scale"),
+                initializer(0, weight_type, "weight_zero_point"),
+            )
+        else:
+            weight_value = op.DequantizeLinear(
+                initializer(new_weights, weight_type, "weight"),
+                initializer(new_scale, params.scale.dtype, "weight_scale"),
+                initializer(np.zeros(channels), weight_type, "weight_zero_point"),
+                axis=0,
+            )
         input_dq = x.producer()
         input_params = _qdq.quant_params(input_dq) if _qdq.is_dequantize(input_dq) else None
         if input_params is not None and input_params.is_per_tensor:
             bias_scale = (input_params.scalar_scale * new_scale.astype(np.float64)).astype(np.float32)
             quantized = np.clip(np.rint(new_bias / bias_scale.astype(np.float64)), _INT32.min, _INT32.max)
-            bias_value = op.DequantizeLinear(
-                initializer(quantized, np.int32, "bias"), initializer(bias_scale, np.float32, "bias_scale"), axis=0
-            )
+            if per_tensor:
+                bias_value = op.DequantizeLinear(
+                    initializer(quantized, np.int32, "bias"), initializer(bias_scale[0], np.float32, "bias_scale")
+                )
+            else:
+                bias_value = op.DequantizeLinear(
+                    initializer(quantized, np.int32, "bias"), initializer(bias_scale, np.float32, "bias_scale"), axis=0
+                )
         else:
             bias_value = initializer(new_bias, np.float32, "bias")
         if self.report is not None:
-            detail = f"{channels} channels; weight scale per channel, bias requantized"
+            detail = f"{channels} channels; {how}; bias requantized"
             if saturated:
                 detail += f"; {saturated} weight(s) of -128 saturated to 127"
             self.report.changed(self.name, bn.name or str(bn_out.name), detail, exact=False)

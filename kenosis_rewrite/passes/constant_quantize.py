@@ -1,0 +1,53 @@
+"""Quantize constants ahead of time: ``QuantizeLinear(constant)`` becomes an integer initializer.
+
+Transformation::
+
+    Q(c; s, z) -> DQ(.; s, z)   with c, s, z constants   ==>   q_c -> DQ(.; s, z)
+
+where ``q_c = clip(rint(c / s) + z)`` (round half to even, as the ONNX spec and ORT compute it).
+
+Why: exporters that store weights as Constant nodes (Paddle2ONNX) lead quantize_static to treat
+them as activations: the weight is re-quantized at every run, and rules that need to read integer
+weights (BatchNormalization folding, bias requantization) cannot. With the integer initializer,
+the weight is a plain int8 weight again (and stays int8: the uint8 retyping leaves weights alone).
+
+Exactness: exact; the same computation, done once.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.report import FixReport
+
+RULE_NAME = "fold-constant-quantize"
+
+
+class FoldConstantQuantizePass(ir.passes.InPlacePass):
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, modified = model.graph, False
+        for node in list(graph):
+            if not _qdq.is_quantize(node) or node.outputs[0].is_graph_output():
+                continue
+            values, params = _qdq.const_array(node.inputs[0]), _qdq.quant_params(node)
+            if values is None or params is None or params.block_size or params.dtype not in _qdq.INTEGER_RANGES:
+                continue
+            if params.dtype not in _qdq.EIGHT_BIT and params.dtype not in (ir.DataType.INT16, ir.DataType.UINT16):
+                continue  # 4-bit packing is left to the weight-only tools
+            quantized = _qdq.quantize_array(values, params)
+            name = _qdq.unique_name(graph, f"{node.inputs[0].name or 'constant'}_quantized")
+            initializer = _qdq.add_initializer(graph, ir.tensor(quantized, dtype=params.dtype, name=name), name)
+            node.outputs[0].replace_all_uses_with(initializer)
+            modified = True
+            if self.report is not None:
+                self.report.changed(RULE_NAME, node.name or name, f"{node.inputs[0].name} quantized once, offline", exact=True)
+        if modified:
+            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+            RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, modified=modified)
