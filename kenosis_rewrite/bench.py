@@ -558,13 +558,30 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _extra_variants(inputs: _Inputs, models: dict, results: list, say, include_quantize: bool) -> None:
+    """kenosis ``quantize()`` with the calibration photos and with self-calibration."""
+    if not include_quantize:
+        return
+    from kenosis_rewrite.quantize import quantize  # noqa: PLC0415
+
+    for name, calibration in (("quantize()", inputs.calibration), ("quantize(synthetic)", None)):
+        say(name)
+        try:
+            models[name] = quantize(inputs.model, calibration)
+            results.append(VariantResult(name, None, True))
+        except Exception as error:
+            results.append(VariantResult(name, None, True, error=_error_text(error)))
+
+
 def _build_variants(inputs: _Inputs, configs: Sequence[str], include_fix: bool,
-                    say: Callable[[str], None]) -> tuple[dict[str, onnx.ModelProto], list[VariantResult]]:
+                    say: Callable[[str], None], include_latency: bool = False,
+                    include_quantize: bool = False) -> tuple[dict[str, onnx.ModelProto], list[VariantResult]]:
     """FP32, each quantize_static config and (optionally) its fix(); failures are recorded, not raised."""
     from kenosis_rewrite.ort_quantize import quantize_with_ort  # noqa: PLC0415
 
     models = {FP32: inputs.model}
     results = [VariantResult(FP32, None, False)]
+    _extra_variants(inputs, models, results, say, include_quantize)
     for config in configs:
         say(f"quantize_static ({config})")
         try:
@@ -585,6 +602,14 @@ def _build_variants(inputs: _Inputs, configs: Sequence[str], include_fix: bool,
             results.append(VariantResult(name, config, True))
         except Exception as error:
             results.append(VariantResult(name, config, True, error=_error_text(error)))
+        if include_latency:
+            name = config + FIX_SUFFIX + "+latency"
+            say(f"fix ({config}, optimize_for=latency)")
+            try:
+                models[name] = fix(quantized, optimize_for="latency", calibration=inputs.calibration[:1])
+                results.append(VariantResult(name, config, True))
+            except Exception as error:
+                results.append(VariantResult(name, config, True, error=_error_text(error)))
     return models, results
 
 
@@ -634,6 +659,8 @@ def run_bench(
     stream_seconds: float = 5.0,
     cache_dir: str | None = None,
     progress: Callable[[str], None] | None = None,
+    include_latency: bool = False,
+    include_quantize: bool = False,
 ) -> BenchResult:
     """FP32 vs ``quantize_static`` in each config vs its ``fix()``: latency, size, integer MACs, fidelity.
 
@@ -645,6 +672,8 @@ def run_bench(
         configs: names from :data:`kenosis_rewrite.ort_quantize.ORT_CONFIGS`.
         streams: when > 0, also measure concurrent throughput with that many 1-thread sessions.
         progress: called with a short message before each step (e.g. print to stderr).
+        include_latency: also ``fix(..., optimize_for="latency")`` of each config.
+        include_quantize: also kenosis ``quantize()`` (calibration photos, and self-calibration).
     """
     say = progress or (lambda message: None)
     from kenosis_rewrite.ort_quantize import ORT_CONFIGS  # noqa: PLC0415
@@ -654,7 +683,7 @@ def run_bench(
         raise KenosisError(f"unknown quantize_static config(s) {unknown}; known: {', '.join(ORT_CONFIGS)}")
     say(f"loading {model}")
     inputs = _resolve_inputs(model, calibration_samples, cache_dir)
-    models, results = _build_variants(inputs, configs, include_fix, say)
+    models, results = _build_variants(inputs, configs, include_fix, say, include_latency, include_quantize)
     say("FP32 reference outputs")
     reference = _outputs(FP32, inputs.model, inputs.evaluation, threads)
     for variant in results:
@@ -691,6 +720,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=20, help="warm-up runs per variant (default 20)")
     parser.add_argument("--calibration-samples", type=int, default=6, help="calibration inputs (default 6)")
     parser.add_argument("--no-fix", action="store_true", help="leave out the fix() variants")
+    parser.add_argument("--latency", action="store_true",
+                        help="also fix(optimize_for='latency') of each config (measured placement)")
+    parser.add_argument("--quantize", action="store_true",
+                        help="also kenosis quantize() (photo and self-calibration)")
     parser.add_argument("--streams", type=int, default=0, help="also measure N concurrent 1-thread streams")
     parser.add_argument("--stream-seconds", type=float, default=5.0, help="seconds per throughput measurement")
     parser.add_argument("--cache-dir", help="where zoo models and photos are cached (default $KENOSIS_CACHE)")
@@ -728,6 +761,7 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
             calibration_samples=args.calibration_samples, include_fix=not args.no_fix,
             streams=args.streams, stream_seconds=args.stream_seconds, cache_dir=args.cache_dir,
             progress=_progress_printer() if sys.stderr.isatty() else None,
+            include_latency=args.latency, include_quantize=args.quantize,
         )
     except (KenosisError, OSError) as error:
         print(f"kenosis-rewrite bench: error: {error}", file=sys.stderr)

@@ -316,3 +316,20 @@ def test_run_bench_on_a_real_model_uses_real_photos(fix_and_explain, tmp_path_fa
     quantized = result.variant("u8s8")
     assert quantized.fidelity.samples == len(zoo.PHOTOS) - 6
     assert quantized.fidelity.top1_agreement is not None and quantized.fidelity.cosine > 0.9
+
+
+def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
+    import onnx
+
+    from kenosis_rewrite import bench, toy_models
+
+    monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "toy.onnx"
+    onnx.save(toy_models.build("conv_hardswish"), path)
+    result = bench.run_bench(str(path), configs=("default",), runs=3, warmup=1,
+                             include_latency=True, include_quantize=True)
+    names = {v.name: v for v in result.variants}
+    for name in ("quantize()", "quantize(synthetic)", "default+fix+latency"):
+        assert name in names and names[name].error is None, (name, names.get(name))
+        assert names[name].latency is not None and names[name].fidelity.cosine > 0.99
+    assert "default+fix+latency" in result.to_markdown()
