@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes import common as common_passes
 from onnxruntime.quantization import QuantFormat, QuantType
 
 from kenosis_rewrite import _io, calibration as calib
@@ -77,6 +78,24 @@ def _image_paths(folder) -> list[str]:
     return [os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(suffixes)]
 
 
+PER_CHANNEL_OPSET = 13  # DequantizeLinear's axis attribute
+
+
+def _opset_for_per_channel(model: onnx.ModelProto, per_channel: bool, report: FixReport) -> tuple[onnx.ModelProto, bool]:
+    """Per-channel weights need opset 13: convert the float model up (quantize() makes a new model)."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not per_channel or opset >= PER_CHANNEL_OPSET:
+        return model, per_channel
+    try:
+        converted = onnx.version_converter.convert_version(model, PER_CHANNEL_OPSET)
+        onnx.checker.check_model(converted)
+    except Exception as error:  # noqa: BLE001 - the converter raises many types
+        report.note(f"opset {opset} could not be converted to {PER_CHANNEL_OPSET} ({error}); weights per-tensor")
+        return model, False
+    report.note(f"float model converted from opset {opset} to {PER_CHANNEL_OPSET} for per-channel weights")
+    return converted, True
+
+
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
     specs = calib.infer_inputs(model)
     if not any(s.kind == "image" for s in specs):
@@ -121,8 +140,13 @@ def quantize(
         The model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
     """
     loaded = _io.load(float_model, require_qdq=False)
-    proto = ir.serde.serialize_model(loaded.model)
+    prepared = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
+    # Constant nodes become initializers: quantize_static then treats them as weights (int8,
+    # per-channel, quantized once), not as activations re-quantized at every run.
+    common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
+    proto = ir.serde.serialize_model(prepared)
     report = FixReport(target=target)
+    proto, per_channel = _opset_for_per_channel(proto, per_channel, report)
     feeds, source = _feeds(proto, calibration, calibration_samples, seed)
     report.note(f"calibration: {source}, method {calibration_method}")
     options = quantize_static_options(target, per_channel)
