@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 
 import numpy as np

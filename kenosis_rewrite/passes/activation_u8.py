@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq
-from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.passes._base import ReportingPass
 
 RULE_NAME = "activation-int8-to-uint8"
 _SHIFT = 128
@@ -44,16 +44,11 @@ def _set_input(node: ir.Node, index: int, value: ir.Value | None) -> None:
     node.replace_input_with(index, value)
 
 
-class ActivationInt8ToUint8Pass(ir.passes.InPlacePass):
+class ActivationInt8ToUint8Pass(ReportingPass):
     """Retype every int8 activation Q/DQ (fan-out tensors included) to uint8. Exact."""
 
-    def __init__(self, report: FixReport | None = None):
-        super().__init__()
-        self.report = report
+    rule_name = RULE_NAME
 
-    def _refuse(self, where: str, reason: str) -> None:
-        if self.report is not None:
-            self.report.refused(RULE_NAME, where, reason)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -100,16 +95,16 @@ class ActivationInt8ToUint8Pass(ir.passes.InPlacePass):
         output = node.outputs[0]
         where = node.name or output.name or "QuantizeLinear"
         if output.is_graph_output():
-            self._refuse(where, f"int8 tensor {output.name!r} is a graph output; its type is part of the model's interface")
+            self.refused(where, f"int8 tensor {output.name!r} is a graph output; its type is part of the model's interface")
             return 0
         dequantizers = []
         for consumer, index in output.uses():
             if not _qdq.is_dequantize(consumer) or index != 0:
-                self._refuse(where, f"int8 tensor {output.name!r} feeds {consumer.op_type}, which needs int8")
+                self.refused(where, f"int8 tensor {output.name!r} feeds {consumer.op_type}, which needs int8")
                 return 0
             consumer_params = _qdq.quant_params(consumer)
             if consumer_params is None or not consumer_params.same_as(params):
-                self._refuse(where, f"DequantizeLinear {consumer.name!r} disagrees with its QuantizeLinear's parameters")
+                self.refused(where, f"DequantizeLinear {consumer.name!r} disagrees with its QuantizeLinear's parameters")
                 return 0
             dequantizers.append(consumer)
         zero_point = node.inputs[2] if len(node.inputs) > 2 else None
@@ -120,8 +115,7 @@ class ActivationInt8ToUint8Pass(ir.passes.InPlacePass):
         output.type = ir.TensorType(ir.DataType.UINT8)
         for consumer in dequantizers:
             _set_input(consumer, 2, new_zero_point)
-        if self.report is not None:
-            self.report.changed(RULE_NAME, where, f"{output.name}: {params.describe()} -> uint8 zp+128", exact=True)
+        self.changed(where, f"{output.name}: {params.describe()} -> uint8 zp+128", exact=True)
         return 1
 
     def _retype_constant_input(
@@ -133,7 +127,7 @@ class ActivationInt8ToUint8Pass(ir.passes.InPlacePass):
             return 0
         where = node.name or "DequantizeLinear"
         if data_value.is_graph_input():
-            self._refuse(where, f"int8 graph input {data_value.name!r} is part of the model's interface")
+            self.refused(where, f"int8 graph input {data_value.name!r} is part of the model's interface")
             return 0
         if data_value.const_value is None:
             return 0
@@ -148,8 +142,7 @@ class ActivationInt8ToUint8Pass(ir.passes.InPlacePass):
         new_zero_point = self._shifted_constant(graph, zero_point, params.scale.shape, names, shifted)
         node.replace_input_with(0, new_data)
         _set_input(node, 2, new_zero_point)
-        if self.report is not None:
-            self.report.changed(RULE_NAME, where, f"constant {data_value.name}: int8 -> uint8 (+128)", exact=True)
+        self.changed(where, f"constant {data_value.name}: int8 -> uint8 (+128)", exact=True)
         return 1
 
 

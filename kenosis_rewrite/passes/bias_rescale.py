@@ -20,6 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq
+from kenosis_rewrite.passes._base import ReportingPass
 from kenosis_rewrite.report import FixReport
 
 RULE_NAME = "requantize-stale-bias"
@@ -33,17 +34,14 @@ def _dequantized_input(node: ir.Node, index: int) -> ir.Node | None:
     return producer if _qdq.is_dequantize(producer) else None
 
 
-class BiasRescalePass(ir.passes.InPlacePass):
+class BiasRescalePass(ReportingPass):
     """Make every int32 bias scale equal to input scale × weight scale again."""
 
-    def __init__(self, report: FixReport | None = None, rtol: float = 1e-6):
-        super().__init__()
-        self.report = report
-        self.rtol = rtol
+    rule_name = RULE_NAME
 
-    def _refuse(self, where: str, reason: str) -> None:
-        if self.report is not None:
-            self.report.refused(RULE_NAME, where, reason)
+    def __init__(self, report: FixReport | None = None, rtol: float = 1e-6):
+        super().__init__(report)
+        self.rtol = rtol
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
@@ -69,14 +67,14 @@ class BiasRescalePass(ir.passes.InPlacePass):
         if node.op_type == "Gemm" and (
             node.attributes.get_float("alpha", 1.0) != 1.0 or node.attributes.get_float("beta", 1.0) != 1.0
         ):
-            self._refuse(where, "Gemm with alpha or beta other than 1 has no integer bias")
+            self.refused(where, "Gemm with alpha or beta other than 1 has no integer bias")
             return False
         bias_q = _qdq.const_array(dq_b.inputs[0])
         if bias_q is None:
-            self._refuse(where, "the bias is not a constant")
+            self.refused(where, "the bias is not a constant")
             return False
         if current.size not in (1, bias_q.size) or expected.size not in (1, bias_q.size):
-            self._refuse(where, "bias and weight scales do not line up per channel")
+            self.refused(where, "bias and weight scales do not line up per channel")
             return False
         bias = (bias_q.astype(np.float64) - p_b.zero_point.astype(np.float64).reshape(-1)) * current
         per_channel = expected.size > 1
@@ -107,9 +105,8 @@ class BiasRescalePass(ir.passes.InPlacePass):
             dq_node.attributes["axis"] = ir.AttrInt64("axis", 0)
         else:
             dq_node.attributes.pop("axis", None)
-        if self.report is not None:
-            detail = f"bias scale -> input scale x weight scale ({expected.size} channel(s))"
-            if clamped:
-                detail += f"; {clamped} value(s) clamped to int32"
-            self.report.changed(RULE_NAME, where, detail, exact=False)
+        detail = f"bias scale -> input scale x weight scale ({expected.size} channel(s))"
+        if clamped:
+            detail += f"; {clamped} value(s) clamped to int32"
+        self.changed(where, detail, exact=False)
         return True

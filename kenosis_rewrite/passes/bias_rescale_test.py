@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
-import pytest
 
 from kenosis_rewrite import _testing
 from kenosis_rewrite.passes.bias_rescale import RULE_NAME, BiasRescalePass

@@ -19,15 +19,15 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq
-from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.passes._base import ReportingPass, remove_unused_nodes
 
 RULE_NAME = "fold-constant-quantize"
 
 
-class FoldConstantQuantizePass(ir.passes.InPlacePass):
-    def __init__(self, report: FixReport | None = None):
-        super().__init__()
-        self.report = report
+class FoldConstantQuantizePass(ReportingPass):
+    """``Q(constant)`` → integer initializer; see the module docstring."""
+
+    rule_name = RULE_NAME
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, modified = model.graph, False
@@ -44,10 +44,6 @@ class FoldConstantQuantizePass(ir.passes.InPlacePass):
             initializer = _qdq.add_initializer(graph, ir.tensor(quantized, dtype=params.dtype, name=name), name)
             node.outputs[0].replace_all_uses_with(initializer)
             modified = True
-            if self.report is not None:
-                self.report.changed(RULE_NAME, node.name or name, f"{node.inputs[0].name} quantized once, offline", exact=True)
-        if modified:
-            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-            RemoveUnusedNodesPass()(model)
+            self.changed(node.name or name, f"{node.inputs[0].name} quantized once, offline", exact=True)
+        remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq
-from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.passes._base import ReportingPass, remove_unused_nodes
 
 COMMUTING_OPS = frozenset(
     {
@@ -57,13 +57,6 @@ def _copy_node(graph: ir.Graph, node: ir.Node, inputs: list[ir.Value | None], an
     return copy
 
 
-def _remove_unused(model: ir.Model, modified: bool) -> None:
-    if modified:
-        from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-        RemoveUnusedNodesPass()(model)
-
-
 def _redirect(old: ir.Value, new: ir.Value) -> None:
     """Consumers (and the graph-output slot, keeping its name) of ``old`` read ``new``."""
     graph = old.graph
@@ -77,14 +70,10 @@ def _redirect(old: ir.Value, new: ir.Value) -> None:
     old.replace_all_uses_with(new)
 
 
-class DequantizeForwardPass(ir.passes.InPlacePass):
+class DequantizeForwardPass(ReportingPass):
     """``DQ -> P`` ==> ``P -> DQ`` for commuting ops; see the module docstring."""
 
     rule_name = "move-dq-forward"
-
-    def __init__(self, report: FixReport | None = None):
-        super().__init__()
-        self.report = report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, opset, modified = model.graph, _opset(model), False
@@ -92,7 +81,7 @@ class DequantizeForwardPass(ir.passes.InPlacePass):
             if node.graph is None or not _commutes(node, opset) and node.op_type != "Concat":
                 continue
             modified |= self._move(graph, node, opset)
-        _remove_unused(model, modified)
+        remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)
 
     def _move(self, graph: ir.Graph, node: ir.Node, opset: int) -> bool:
@@ -114,26 +103,21 @@ class DequantizeForwardPass(ir.passes.InPlacePass):
         )
         graph.insert_after(moved, dequantize)
         _redirect(node.outputs[0], dequantize.outputs[0])
-        if self.report is not None:
-            self.report.changed(self.rule_name, node.name or node.op_type, f"{node.op_type} now runs on the quantized tensor", exact=True)
+        self.changed(node.name or node.op_type, f"{node.op_type} now runs on the quantized tensor", exact=True)
         return True
 
 
-class QuantizeBackwardPass(ir.passes.InPlacePass):
+class QuantizeBackwardPass(ReportingPass):
     """``P -> Q`` ==> ``Q -> P`` for commuting ops with a float (non-DQ) input."""
 
     rule_name = "move-q-backward"
-
-    def __init__(self, report: FixReport | None = None):
-        super().__init__()
-        self.report = report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, opset, modified = model.graph, _opset(model), False
         for node in list(graph):
             if _qdq.is_quantize(node):
                 modified |= self._move(graph, node, opset)
-        _remove_unused(model, modified)
+        remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)
 
     def _move(self, graph: ir.Graph, quantize: ir.Node, opset: int) -> bool:
@@ -149,19 +133,14 @@ class QuantizeBackwardPass(ir.passes.InPlacePass):
         graph.insert_before(op, early)
         moved = _copy_node(graph, op, [early.outputs[0], *op.inputs[1:]], early)
         _redirect(quantize.outputs[0], moved.outputs[0])
-        if self.report is not None:
-            self.report.changed(self.rule_name, op.name or op.op_type, f"{op.op_type} now runs on the quantized tensor", exact=True)
+        self.changed(op.name or op.op_type, f"{op.op_type} now runs on the quantized tensor", exact=True)
         return True
 
 
-class RedundantQDQPass(ir.passes.InPlacePass):
+class RedundantQDQPass(ReportingPass):
     """``DQ(s, z) -> Q(s, z)`` ==> nothing: the Q's consumers read the quantized tensor."""
 
     rule_name = "remove-redundant-qdq"
-
-    def __init__(self, report: FixReport | None = None):
-        super().__init__()
-        self.report = report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
@@ -178,7 +157,6 @@ class RedundantQDQPass(ir.passes.InPlacePass):
                 continue
             _redirect(node.outputs[0], dq.inputs[0])
             modified = True
-            if self.report is not None:
-                self.report.changed(self.rule_name, node.name or "QuantizeLinear", "DQ -> Q with identical parameters removed", exact=True)
-        _remove_unused(model, modified)
+            self.changed(node.name or "QuantizeLinear", "DQ -> Q with identical parameters removed", exact=True)
+        remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq
-from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.passes._base import ReportingPass
 
 RULE_NAME = "align-pass-through-qparams"
 
@@ -45,16 +45,11 @@ def _is_pass_through(node: ir.Node | None) -> bool:
     return True
 
 
-class PassThroughQParamsPass(ir.passes.InPlacePass):
+class PassThroughQParamsPass(ReportingPass):
     """Align Q parameters after pass-through ops with their input's DQ parameters. Exact."""
 
-    def __init__(self, report: FixReport | None = None):
-        super().__init__()
-        self.report = report
+    rule_name = RULE_NAME
 
-    def _refuse(self, where: str, reason: str) -> None:
-        if self.report is not None:
-            self.report.refused(RULE_NAME, where, reason)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
@@ -75,29 +70,26 @@ class PassThroughQParamsPass(ir.passes.InPlacePass):
             return False
         where = op.name or op.op_type
         if not (p_in.is_per_tensor and p_out.is_per_tensor):
-            self._refuse(where, "per-axis or blocked parameters are not aligned")
+            self.refused(where, "per-axis or blocked parameters are not aligned")
             return False
         if p_in.dtype != p_out.dtype:
-            self._refuse(where, f"input is {p_in.dtype.name}, output quantizer is {p_out.dtype.name}")
+            self.refused(where, f"input is {p_in.dtype.name}, output quantizer is {p_out.dtype.name}")
             return False
         if len(source.inputs) < 3 or source.inputs[2] is None:
-            self._refuse(where, "the input DequantizeLinear has no explicit zero point")
+            self.refused(where, "the input DequantizeLinear has no explicit zero point")
             return False
         output = quantize.outputs[0]
         if output.is_graph_output():
-            self._refuse(where, f"quantized output {output.name!r} is a graph output")
+            self.refused(where, f"quantized output {output.name!r} is a graph output")
             return False
         consumers = _qdq.dequantize_consumers(output)
         if consumers is None:
-            self._refuse(where, f"quantized output {output.name!r} is read by a non-DequantizeLinear node")
+            self.refused(where, f"quantized output {output.name!r} is read by a non-DequantizeLinear node")
             return False
         for node in (quantize, *consumers):
             node.replace_input_with(1, source.inputs[1])
             if len(node.inputs) < 3:
                 node.resize_inputs(3)
             node.replace_input_with(2, source.inputs[2])
-        if self.report is not None:
-            self.report.changed(
-                RULE_NAME, where, f"{p_out.describe()} -> {p_in.describe()} (input's parameters)", exact=True
-            )
+        self.changed(where, f"{p_out.describe()} -> {p_in.describe()} (input's parameters)", exact=True)
         return True

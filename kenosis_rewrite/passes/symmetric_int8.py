@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq
-from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.passes._base import ReportingPass
 
 RULE_NAME = "symmetric-int8-activations"
 _QMAX = 127
@@ -73,16 +73,11 @@ def _is_weight_use(node: ir.Node, index: int) -> bool:
     return index == 1 and node.op_type in _qdq.WEIGHTED_OPS
 
 
-class SymmetricActivationsPass(ir.passes.InPlacePass):
+class SymmetricActivationsPass(ReportingPass):
     """Every activation Q/DQ (and uint8 weight) to int8 with zero point 0."""
 
-    def __init__(self, report: FixReport | None = None):
-        super().__init__()
-        self.report = report
+    rule_name = RULE_NAME
 
-    def _refuse(self, where: str, reason: str) -> None:
-        if self.report is not None:
-            self.report.refused(RULE_NAME, where, reason)
 
     def _params(self, graph: ir.Graph, base: str, scale: np.ndarray, shape) -> tuple[ir.Value, ir.Value]:
         scale_name = _qdq.unique_name(graph, f"{base}_sym_scale")
@@ -110,14 +105,14 @@ class SymmetricActivationsPass(ir.passes.InPlacePass):
         where = node.name or "QuantizeLinear"
         output = node.outputs[0]
         if not params.is_per_tensor:
-            self._refuse(where, "per-axis activation quantization is left as it is")
+            self.refused(where, "per-axis activation quantization is left as it is")
             return False
         if output.is_graph_output():
-            self._refuse(where, f"quantized tensor {output.name!r} is a graph output")
+            self.refused(where, f"quantized tensor {output.name!r} is a graph output")
             return False
         consumers = _qdq.dequantize_consumers(output)
         if consumers is None:
-            self._refuse(where, f"quantized tensor {output.name!r} is read by a non-DequantizeLinear node")
+            self.refused(where, f"quantized tensor {output.name!r} is read by a non-DequantizeLinear node")
             return False
         scale = _symmetric_scale(params)
         scale_value, zp_value = self._params(graph, output.name or "activation", scale, params.scale.shape)
@@ -130,9 +125,8 @@ class SymmetricActivationsPass(ir.passes.InPlacePass):
         if "output_dtype" in node.attributes:
             node.attributes["output_dtype"] = ir.AttrInt64("output_dtype", ir.DataType.INT8)
         output.type = ir.TensorType(ir.DataType.INT8)
-        if self.report is not None:
-            detail = f"{params.describe()} -> int8 s={float(scale.reshape(-1)[0]):.6g} zp=0"
-            self.report.changed(RULE_NAME, where, detail + ("; Relu restored" if restored else ""), exact=False)
+        detail = f"{params.describe()} -> int8 s={float(scale.reshape(-1)[0]):.6g} zp=0"
+        self.changed(where, detail + ("; Relu restored" if restored else ""), exact=False)
         return True
 
     @staticmethod
@@ -178,7 +172,6 @@ class SymmetricActivationsPass(ir.passes.InPlacePass):
         if len(node.inputs) < 3:
             node.resize_inputs(3)
         node.replace_input_with(2, zp_value)
-        if self.report is not None:
-            kind = "weight" if weight else "constant"
-            self.report.changed(RULE_NAME, node.name or base, f"{kind} {base}: {params.describe()} -> symmetric int8", exact=False)
+        kind = "weight" if weight else "constant"
+        self.changed(node.name or base, f"{kind} {base}: {params.describe()} -> symmetric int8", exact=False)
         return True
