@@ -1,0 +1,627 @@
+"""Make weight-only quantized MatMuls fuse into ORT CPU's ``com.microsoft.MatMulNBits``.
+
+A weight-only MatMul is ``MatMul(A, DequantizeLinear(Wq, scale, zp))`` with a float ``A``. ORT's
+``DQMatMulToMatMulNBits`` selector (Level 2) turns it into one MatMulNBits kernel that never
+materialises the float weight. Measured on onnxruntime 1.31.1 (x86 CPU EP, this module's tests),
+it fuses only when **all** of these hold, otherwise the model silently runs DequantizeLinear plus
+a float MatMul (several times slower, the float weight in memory):
+
+* the DQ's data is int4, uint4, int8 or uint8 (int16 and float8 never fuse);
+* the DQ is blocked along axis 0 of a 2-D constant ``[K, N]`` weight with a power-of-two
+  ``block_size >= 16`` (a 4-bit per-column DQ, axis 1, also fuses);
+* its scales have the MatMul's float type and nothing (no Cast, Transpose, Reshape) sits between
+  the DQ and the MatMul's input B;
+* the DQ feeds only this MatMul, and its constants are read by no other node (even two DQs
+  sharing one quantized initializer stop both fusions);
+* the MatMul is a MatMul: ``Gemm(transB=1)`` over a DQ does not fuse;
+* the MatMul's only consumer is not a Relu/Clip: ORT then looks for a Q to absorb the activation
+  into, finds none and drops the group (only a MatMul whose Relu is a graph output fuses).
+
+Transformations (each refuses with a reason when its condition fails):
+
+* ``cast-weight-dequantize``: ``DQ(s) -> Cast(T) -> MatMul`` ==> ``DQ(s as T) -> MatMul``. Exact when
+  the dequantized weights are equal bit for bit (checked on the constants; e.g. float32 scales
+  that float16 represents exactly); otherwise the difference is at most half a float16 ulp of the
+  scale per weight and the change is reported as inexact.
+* ``unshare-weight-dequantize``: a DQ (or its constants) shared by several MatMuls ==> one DQ with
+  private copies of the constants per MatMul. Exact. The model file grows by the copies; ORT
+  prepacks every MatMulNBits weight separately anyway.
+* ``fold-weight-layout``: ``DQ -> Transpose([1, 0]) -> MatMul`` and ``DQ -> Reshape -> MatMul`` (a
+  reshape that only adds or removes unit dims) ==> the DQ of the transposed/reshaped constants,
+  with axis and block layout moved along. Exact (a relabelling of the same numbers).
+* ``reblock-weight-dequantize``: a block size that is not a power of two (e.g. ``block_size = K``
+  from channel-wise quantization) ==> the largest power-of-two divisor ``>= 16`` with each scale
+  repeated. Exact. Refused when no such divisor exists.
+* ``gemm-weight-to-matmul``: ``Gemm(A, DQ(W[N, K]), C, transB=1)`` ==> ``MatMul(A, DQ(W^T)) + beta*C``.
+  Same arithmetic up to float summation order (reported inexact). Refused for transA, alpha != 1,
+  or beta != 1 with a non-constant C.
+* ``relu-to-max-after-nbits`` / ``clip-to-min-max-after-nbits``: ``MatMul -> Relu`` ==>
+  ``MatMul -> Max(x, 0)``, ``Clip(lo, hi)`` ==> ``Min(Max(x, lo), hi)``. Exact for every non-NaN
+  input (both are the same comparisons); only applied after a weight-only MatMul whose output has
+  no other consumer.
+
+Only weight-only MatMuls are touched: a MatMul whose input A comes from a DequantizeLinear is an
+activation-quantized (QLinearMatMul / MatMulIntegerToFloat) candidate and is left to the other rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.report import FixReport
+
+__all__ = [
+    "CastWeightDequantize", "UnshareWeightDequantize", "FoldWeightTranspose", "FoldWeightReshape",
+    "ReblockWeightDequantize", "GemmWeightToMatMul", "ReluToMaxAfterNBits", "ClipToMinMaxAfterNBits",
+    "matmul_nbits_rules", "NBITS_TYPES", "dequantize_constant",
+]
+
+NBITS_TYPES = (ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.INT8, ir.DataType.UINT8)
+FOUR_BIT = (ir.DataType.INT4, ir.DataType.UINT4)
+SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+MIN_BLOCK = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Weight DequantizeLinear: constants, checks, numerics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightDQ:
+    """The constants and layout of a DequantizeLinear of a constant weight."""
+
+    node: ir.Node
+    data: np.ndarray  # as stored (ml_dtypes int4/uint4 for 4-bit)
+    scale: np.ndarray
+    zero_point: np.ndarray | None
+    dtype: ir.DataType
+    axis: int  # non-negative
+    block_size: int
+
+    @property
+    def scale_type(self) -> ir.DataType:
+        return _float_dtype(self.scale)
+
+    def describe(self) -> str:
+        layout = f"blocked axis {self.axis} x{self.block_size}" if self.block_size else f"axis {self.axis}"
+        return f"{self.dtype.name.lower()} {list(self.data.shape)} {layout}"
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.is_graph_input():
+        return None
+    return _qdq.const_array(value)
+
+
+def weight_dq(value: ir.Value | None) -> WeightDQ | str:
+    """The weight DequantizeLinear producing ``value``, or a reason why it is not one."""
+    node = value.producer() if value is not None else None
+    if not _qdq.is_dequantize(node):
+        return "the weight does not come from a DequantizeLinear"
+    data, scale = _constant(node.inputs[0]), _constant(node.inputs[1])
+    zp_value = node.inputs[2] if len(node.inputs) > 2 else None
+    zero_point = _constant(zp_value)
+    if data is None or scale is None or (zp_value is not None and zero_point is None):
+        return "the DequantizeLinear's data, scale or zero point is not a constant"
+    dtype = node.inputs[0].dtype or ir.DataType.UNDEFINED
+    axis = node.attributes.get_int("axis", 1)
+    axis = axis + data.ndim if axis < 0 else axis
+    return WeightDQ(node, data, scale, zero_point, dtype, axis, node.attributes.get_int("block_size", 0))
+
+
+def nbits_type_reason(dq: WeightDQ) -> str | None:
+    """Why MatMulNBits cannot take this quantized type and scale type; None when it can."""
+    if dq.dtype not in NBITS_TYPES:
+        return f"{dq.dtype.name.lower()} weights: MatMulNBits takes int4/uint4/int8/uint8 only"
+    if dq.scale.dtype not in (np.float32, np.float16):
+        return f"{dq.scale.dtype} scales: MatMulNBits takes float32/float16 scales only"
+    return None
+
+
+def _expand(array: np.ndarray, dq: WeightDQ, shape: tuple[int, ...]) -> np.ndarray:
+    """Scale or zero point broadcast to the data shape (per-tensor, per-axis or blocked)."""
+    if array.size == 1 and not dq.block_size:
+        return array.reshape(())
+    if dq.block_size:
+        return np.repeat(array, dq.block_size, axis=dq.axis).take(np.arange(shape[dq.axis]), axis=dq.axis)
+    view = [1] * len(shape)
+    view[dq.axis] = array.size
+    return array.reshape(view)
+
+
+def dequantize_constant(dq: WeightDQ, scale: np.ndarray | None = None) -> np.ndarray:
+    """What DequantizeLinear computes: ``(data - zp) * scale`` in float32, rounded to the scale's type."""
+    scale = dq.scale if scale is None else scale
+    data = dq.data.astype(np.float32)
+    zero_point = 0.0 if dq.zero_point is None else _expand(dq.zero_point.astype(np.float32), dq, data.shape)
+    product = (data - zero_point) * _expand(scale.astype(np.float32), dq, data.shape)
+    return product.astype(scale.dtype)
+
+
+def _fusible_block(dq: WeightDQ) -> bool:
+    block = dq.block_size
+    return block >= MIN_BLOCK and not block & (block - 1)
+
+
+def _reads_dequantize(value: ir.Value | None) -> bool:
+    return value is not None and _qdq.is_dequantize(value.producer())
+
+
+def _where(node: ir.Node | None, fallback: str) -> str:
+    if node is None:
+        return fallback
+    return node.name or (node.outputs[0].name if node.outputs else None) or fallback
+
+
+def _tensor(array: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tensor:
+    if dtype in _qdq.INTEGER_RANGES:
+        return _qdq.integer_tensor(np.asarray(array).astype(np.int32), dtype, name)
+    return ir.tensor(np.ascontiguousarray(array), name=name)
+
+
+def _float_dtype(array: np.ndarray) -> ir.DataType:
+    return ir.DataType.FLOAT16 if array.dtype == np.float16 else ir.DataType.FLOAT
+
+
+def _dq_attributes(axis: int, block_size: int) -> dict:
+    attributes = {"axis": axis}
+    if block_size:
+        attributes["block_size"] = block_size
+    return attributes
+
+
+# --------------------------------------------------------------------------------------------
+# Rule base
+# --------------------------------------------------------------------------------------------
+
+
+class _NBitsRule(RewriteRuleClassBase):
+    """Shared recording and DQ construction of the MatMulNBits rules."""
+
+    rule_name = ""
+
+    def __init__(self, report: FixReport | None = None, **kwargs):
+        super().__init__(name=self.rule_name, **kwargs)
+        self.report = report
+
+    def _refuse(self, where: str, reason: str) -> MatchResult:
+        if self.report is not None:
+            self.report.refused(self.name, where, reason)
+        return MatchResult().fail(reason)
+
+    def _ok(self, where: str) -> MatchResult:
+        if self.report is not None:
+            self.report.forget_refusals_at(self.name, where)
+        return MatchResult()
+
+    def _record(self, where: str, detail: str, exact: bool) -> None:
+        if self.report is not None:
+            self.report.changed(self.name, where, detail, exact=exact)
+
+    @staticmethod
+    def _initializer(op, graph: ir.Graph, array: np.ndarray, dtype: ir.DataType, base: str, taken: set[str]):
+        name = _qdq.unique_name(graph, base, taken)
+        taken.add(name)
+        return op.initializer(_tensor(array, dtype, name), name=name)
+
+    def _new_dq(self, op, dq: WeightDQ, data, scale, zero_point, axis: int, block_size: int, tag: str):
+        """A DequantizeLinear of fresh initializers (arrays), named after the old one."""
+        graph, taken = dq.node.graph, set()
+        base = dq.node.inputs[0].name or "weight"
+        inputs = [
+            self._initializer(op, graph, data, dq.dtype, f"{base}_{tag}", taken),
+            self._initializer(op, graph, scale, _float_dtype(scale), f"{dq.node.inputs[1].name or 'scale'}_{tag}", taken),
+        ]
+        if zero_point is not None:
+            zp_name = (dq.node.inputs[2].name or "zero_point") + f"_{tag}"
+            inputs.append(self._initializer(op, graph, zero_point, dq.dtype, zp_name, taken))
+        name = f"{dq.node.name}_{tag}" if dq.node.name else None
+        return op.DequantizeLinear(*inputs, _name=name, **_dq_attributes(axis, block_size))
+
+
+def _weight_only_matmul(matmul: ir.Node | None) -> bool:
+    return _qdq.is_op(matmul, "MatMul") and not _reads_dequantize(matmul.inputs[0])
+
+
+# --------------------------------------------------------------------------------------------
+# DQ -> Cast -> MatMul
+# --------------------------------------------------------------------------------------------
+
+
+class CastWeightDequantize(_NBitsRule):
+    """``DQ(scale) -> Cast(T) -> MatMul`` ==> ``DQ(scale as T) -> MatMul``; see the module docstring."""
+
+    rule_name = "cast-weight-dequantize"
+
+    def pattern(self, op, a, data):
+        weight = op.DequantizeLinear(data, _allow_other_inputs=True, _outputs=["weight"])
+        cast = op.Cast(weight, _outputs=["cast"])
+        return op.MatMul(a, cast, _outputs=["out"])
+
+    def check(self, context, a, weight, cast, out, **_) -> MatchResult:
+        del context
+        where = _where(out.producer(), "MatMul")
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized MatMul")
+        dq = weight_dq(weight)
+        if isinstance(dq, str):
+            return self._refuse(where, dq)
+        reason = nbits_type_reason(dq)
+        if reason is not None:
+            return self._refuse(where, reason)
+        target = cast.producer().attributes.get_int("to", 0)
+        if target not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            return self._refuse(where, f"Cast to {ir.DataType(target).name.lower()}: not a float MatMul")
+        if target == dq.scale_type:
+            return MatchResult().fail("the Cast does not change the type")
+        if target == ir.DataType.FLOAT16 and np.abs(dq.scale.astype(np.float32)).max() > 65504:
+            return self._refuse(where, "scales overflow float16")
+        return self._ok(where)
+
+    def rewrite(self, op, a, weight, cast, out, **_):
+        dq = weight_dq(weight)
+        target = ir.DataType(cast.producer().attributes.get_int("to", 0))
+        scale = dq.scale.astype(target.numpy())
+        before = dequantize_constant(dq).astype(target.numpy())
+        exact = bool(np.array_equal(before.view(np.uint8), dequantize_constant(dq, scale).view(np.uint8)))
+        new_dq = self._new_dq(op, dq, dq.data, scale, dq.zero_point, dq.axis, dq.block_size, target.name.lower())
+        detail = f"{dq.describe()}: scales {dq.scale_type.name.lower()} -> {target.name.lower()}, Cast removed"
+        self._record(_where(out.producer(), "MatMul"), detail, exact)
+        return op.MatMul(a, new_dq, _name=out.producer().name)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared DQ -> one DQ with private constants per MatMul
+# --------------------------------------------------------------------------------------------
+
+
+def _shared(dq: WeightDQ, weight: ir.Value) -> bool:
+    if len(weight.uses()) > 1:
+        return True
+    return any(value is not None and len(value.uses()) > 1 for value in dq.node.inputs)
+
+
+class UnshareWeightDequantize(_NBitsRule):
+    """A weight DQ (or its constants) read by several nodes ==> private copies per MatMul. Exact."""
+
+    rule_name = "unshare-weight-dequantize"
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__(report, remove_nodes=False)
+
+    def pattern(self, op, a, data):
+        weight = op.DequantizeLinear(data, _allow_other_inputs=True, _outputs=["weight"])
+        return op.MatMul(a, weight, _outputs=["out"])
+
+    def check(self, context, a, weight, out, **_) -> MatchResult:
+        del context
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized MatMul")
+        dq = weight_dq(weight)
+        if isinstance(dq, str) or not _shared(dq, weight):
+            return MatchResult().fail("not a shared weight DequantizeLinear")
+        where = _where(out.producer(), "MatMul")
+        reason = nbits_type_reason(dq)
+        if reason is not None:
+            return self._refuse(where, reason)
+        return self._ok(where)
+
+    def rewrite(self, op, a, weight, out, **_):
+        dq = weight_dq(weight)
+        zero_point = None if dq.zero_point is None else dq.zero_point.copy()
+        new_dq = self._new_dq(op, dq, dq.data.copy(), dq.scale.copy(), zero_point, dq.axis, dq.block_size, "copy")
+        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: private copy of a shared weight", True)
+        return op.MatMul(a, new_dq, _name=out.producer().name)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout: Transpose / Reshape between the DQ and the MatMul
+# --------------------------------------------------------------------------------------------
+
+
+def _transposed(dq: WeightDQ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """The DQ constants of the transposed 2-D weight and the new axis."""
+    axis = 1 - dq.axis
+    def flip(array):
+        return None if array is None else (array.T.copy() if array.ndim == 2 else array.copy())
+    return dq.data.T.copy(), flip(dq.scale), flip(dq.zero_point), axis
+
+
+def _unit_free_positions(shape: tuple[int, ...]) -> list[int]:
+    return [index for index, size in enumerate(shape) if size != 1]
+
+
+class FoldWeightTranspose(_NBitsRule):
+    """``DQ -> Transpose([1, 0]) -> MatMul`` ==> DQ of the transposed constants. Exact."""
+
+    rule_name = "fold-weight-transpose"
+
+    def pattern(self, op, a, data):
+        weight = op.DequantizeLinear(data, _allow_other_inputs=True, _outputs=["weight"])
+        moved = op.Transpose(weight, _outputs=["moved"])
+        return op.MatMul(a, moved, _outputs=["out"])
+
+    def check(self, context, a, weight, moved, out, **_) -> MatchResult:
+        del context
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized MatMul")
+        where = _where(out.producer(), "MatMul")
+        dq = weight_dq(weight)
+        if isinstance(dq, str):
+            return MatchResult().fail(dq)
+        reason = nbits_type_reason(dq)
+        if reason is not None:
+            return self._refuse(where, reason)
+        perm = moved.producer().attributes.get_ints("perm", None)
+        if dq.data.ndim != 2 or (perm is not None and list(perm) != [1, 0]):
+            return self._refuse(where, "only the transpose of a 2-D weight is folded")
+        return self._ok(where)
+
+    def rewrite(self, op, a, weight, moved, out, **_):
+        dq = weight_dq(weight)
+        data, scale, zero_point, axis = _transposed(dq)
+        new_dq = self._new_dq(op, dq, data, scale, zero_point, axis, dq.block_size, "T")
+        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Transpose folded into the constants", True)
+        return op.MatMul(a, new_dq, _name=out.producer().name)
+
+
+class FoldWeightReshape(_NBitsRule):
+    """``DQ -> Reshape -> MatMul`` (unit dims only) ==> DQ of the reshaped constants. Exact."""
+
+    rule_name = "fold-weight-reshape"
+
+    def pattern(self, op, a, data, shape):
+        weight = op.DequantizeLinear(data, _allow_other_inputs=True, _outputs=["weight"])
+        moved = op.Reshape(weight, shape, _allow_other_attributes=True, _outputs=["moved"])
+        return op.MatMul(a, moved, _outputs=["out"])
+
+    def _target(self, dq: WeightDQ, shape: ir.Value) -> tuple[int, int] | str:
+        target = _constant(shape)
+        if target is None:
+            return "the Reshape's shape is not a constant"
+        source = dq.data.shape
+        try:
+            result = np.empty(source, np.int8).reshape([int(v) if v != 0 else source[i] for i, v in enumerate(target)])
+        except (ValueError, IndexError):
+            return "the Reshape's shape does not fit the weight"
+        kept = _unit_free_positions(source)
+        if result.ndim != 2 or len(kept) != 2 or [source[i] for i in kept] != list(result.shape):
+            return "only a reshape that adds or removes unit dims of a 2-D weight is folded"
+        if (dq.block_size or dq.scale.size > 1) and dq.axis not in kept:
+            return "the quantization axis is a unit dim"
+        return kept[0], kept[1]
+
+    def check(self, context, a, weight, shape, out, **_) -> MatchResult:
+        del context
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized MatMul")
+        where = _where(out.producer(), "MatMul")
+        dq = weight_dq(weight)
+        if isinstance(dq, str):
+            return MatchResult().fail(dq)
+        reason = nbits_type_reason(dq)
+        if reason is None:
+            target = self._target(dq, shape)
+            reason = target if isinstance(target, str) else None
+        return self._refuse(where, reason) if reason is not None else self._ok(where)
+
+    def rewrite(self, op, a, weight, shape, out, **_):
+        dq = weight_dq(weight)
+        kept = self._target(dq, shape)
+        def squeeze(array):
+            if array is None or array.ndim != dq.data.ndim:
+                return None if array is None else array.copy()
+            return array.reshape([array.shape[i] for i in kept])
+        axis = kept.index(dq.axis) if dq.axis in kept else 1
+        new_dq = self._new_dq(op, dq, squeeze(dq.data), squeeze(dq.scale), squeeze(dq.zero_point), axis,
+                              dq.block_size, "2d")
+        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Reshape folded into the constants", True)
+        return op.MatMul(a, new_dq, _name=out.producer().name)
+
+
+# --------------------------------------------------------------------------------------------
+# Block size that is not a power of two
+# --------------------------------------------------------------------------------------------
+
+
+def fusible_divisor(block_size: int) -> int | None:
+    """The largest power of two >= 16 dividing ``block_size`` (at most 256), or None."""
+    for candidate in (256, 128, 64, 32, 16):
+        if block_size % candidate == 0:
+            return candidate
+    return None
+
+
+class ReblockWeightDequantize(_NBitsRule):
+    """A blocked weight DQ with a non-power-of-two block ==> a power-of-two divisor block. Exact."""
+
+    rule_name = "reblock-weight-dequantize"
+
+    def pattern(self, op, a, data):
+        weight = op.DequantizeLinear(data, _allow_other_inputs=True, _outputs=["weight"])
+        return op.MatMul(a, weight, _outputs=["out"])
+
+    def check(self, context, a, weight, out, **_) -> MatchResult:
+        del context
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized MatMul")
+        dq = weight_dq(weight)
+        if isinstance(dq, str) or not dq.block_size or _fusible_block(dq):
+            return MatchResult().fail("not a blocked DQ with an unfusible block size")
+        where = _where(out.producer(), "MatMul")
+        reason = nbits_type_reason(dq)
+        if reason is None and (dq.data.ndim != 2 or dq.axis != 0):
+            reason = f"blocks along axis {dq.axis} of the weight, not along K (axis 0): MatMulNBits cannot take them"
+        if reason is None and fusible_divisor(dq.block_size) is None:
+            reason = f"block_size {dq.block_size} has no power-of-two divisor >= 16: exact re-blocking is impossible"
+        return self._refuse(where, reason) if reason is not None else self._ok(where)
+
+    def rewrite(self, op, a, weight, out, **_):
+        dq = weight_dq(weight)
+        block = fusible_divisor(dq.block_size)
+        k = dq.data.shape[0]
+        n_blocks = -(-k // block)
+        def repeat(array):
+            if array is None:
+                return None
+            return np.repeat(array, dq.block_size // block, axis=0)[:n_blocks]
+        new_dq = self._new_dq(op, dq, dq.data.copy(), repeat(dq.scale), repeat(dq.zero_point), 0, block, f"b{block}")
+        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: block size {dq.block_size} -> {block}", True)
+        return op.MatMul(a, new_dq, _name=out.producer().name)
+
+
+# --------------------------------------------------------------------------------------------
+# Gemm(transB=1) over a weight DQ
+# --------------------------------------------------------------------------------------------
+
+
+class GemmWeightToMatMul(_NBitsRule):
+    """``Gemm(A, DQ(W[N, K]), C, transB=1)`` ==> ``MatMul(A, DQ(W^T)) + beta * C``; see the module docstring."""
+
+    rule_name = "gemm-weight-to-matmul"
+
+    def pattern(self, op, a, data):
+        weight = op.DequantizeLinear(data, _allow_other_inputs=True, _outputs=["weight"])
+        return op.Gemm(a, weight, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["out"])
+
+    def check(self, context, a, weight, out, **_) -> MatchResult:
+        del context
+        gemm = out.producer()
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized Gemm")
+        if not gemm.attributes.get_int("transB", 0):
+            return MatchResult().fail("ORT already fuses a Gemm without transB")
+        where = _where(gemm, "Gemm")
+        dq = weight_dq(weight)
+        if isinstance(dq, str):
+            return MatchResult().fail(dq)
+        reason = nbits_type_reason(dq)
+        if reason is None and gemm.attributes.get_int("transA", 0):
+            reason = "transA=1"
+        if reason is None and gemm.attributes.get_float("alpha", 1.0) != 1.0:
+            reason = "alpha != 1 (folding it into the scales would change them)"
+        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+        if reason is None and bias is not None and gemm.attributes.get_float("beta", 1.0) != 1.0 and _constant(bias) is None:
+            reason = "beta != 1 with a non-constant C"
+        if reason is None and dq.data.ndim != 2:
+            reason = "the weight is not 2-D"
+        return self._refuse(where, reason) if reason is not None else self._ok(where)
+
+    def rewrite(self, op, a, weight, out, **_):
+        gemm = out.producer()
+        dq = weight_dq(weight)
+        data, scale, zero_point, axis = _transposed(dq)
+        new_dq = self._new_dq(op, dq, data, scale, zero_point, axis, dq.block_size, "T")
+        product = op.MatMul(a, new_dq, _name=gemm.name)
+        self._record(_where(gemm, "Gemm"), f"{dq.describe()}: Gemm(transB=1) -> MatMul + Add", False)
+        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+        beta = gemm.attributes.get_float("beta", 1.0)
+        if bias is None or beta == 0.0:
+            return product
+        if beta != 1.0:
+            constant = _constant(bias)
+            name = _qdq.unique_name(gemm.graph, f"{bias.name or 'bias'}_beta")
+            scaled = (constant.astype(np.float32) * beta).astype(constant.dtype)
+            bias = op.initializer(ir.tensor(scaled, name=name), name=name)
+        return op.Add(product, bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Relu / Clip right after a weight-only MatMul
+# --------------------------------------------------------------------------------------------
+
+
+def _nbits_candidate_reason(matmul: ir.Node | None) -> str | None:
+    """None when ``matmul`` is a weight-only MatMul over a MatMulNBits-type DQ."""
+    if not _weight_only_matmul(matmul):
+        return "not a weight-only MatMul"
+    dq = weight_dq(matmul.inputs[1])
+    if isinstance(dq, str):
+        return dq
+    return nbits_type_reason(dq)
+
+
+def _float_type(matmul: ir.Node) -> ir.DataType:
+    dq = weight_dq(matmul.inputs[1])
+    return dq.scale_type
+
+
+class _ActivationAfterNBits(_NBitsRule):
+    activation = ""
+
+    def pattern(self, op, x):
+        return getattr(op, self.activation)(x, _allow_other_inputs=True, _allow_other_attributes=True,
+                                            _outputs=["out"])
+
+    def check(self, context, x, out, **_) -> MatchResult:
+        del context
+        matmul = x.producer()
+        if _nbits_candidate_reason(matmul) is not None:
+            return MatchResult().fail("not after a weight-only MatMulNBits candidate")
+        if len(x.uses()) != 1 or x.is_graph_output():
+            return MatchResult().fail("the MatMul output has other consumers: ORT fuses it already")
+        bounds = self._bounds(out.producer())
+        if isinstance(bounds, str):
+            return self._refuse(_where(out.producer(), self.activation), bounds)
+        return self._ok(_where(out.producer(), self.activation))
+
+    def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
+        return 0.0, None
+
+    def rewrite(self, op, x, out, **_):
+        node, matmul = out.producer(), x.producer()
+        dtype = _float_type(matmul).numpy()
+        lo, hi = self._bounds(node)
+        graph, result, taken = node.graph, x, set()
+        for bound, op_type in ((lo, "Max"), (hi, "Min")):
+            if bound is None:
+                continue
+            name = _qdq.unique_name(graph, f"{x.name or 'matmul'}_{op_type.lower()}_bound", taken)
+            taken.add(name)
+            constant = op.initializer(ir.tensor(np.asarray(bound, dtype=dtype), name=name), name=name)
+            result = op.op(op_type, result, constant)
+        self._record(_where(node, self.activation), f"{self.activation} -> Max/Min so ORT fuses the MatMul", True)
+        return result
+
+
+class ReluToMaxAfterNBits(_ActivationAfterNBits):
+    """``weight-only MatMul -> Relu`` ==> ``Max(x, 0)``. Exact for non-NaN inputs."""
+
+    rule_name = "relu-to-max-after-nbits"
+    activation = "Relu"
+
+
+class ClipToMinMaxAfterNBits(_ActivationAfterNBits):
+    """``weight-only MatMul -> Clip(lo, hi)`` ==> ``Min(Max(x, lo), hi)``. Exact for non-NaN inputs."""
+
+    rule_name = "clip-to-min-max-after-nbits"
+    activation = "Clip"
+
+    def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
+        bounds = []
+        for index, attribute in ((1, "min"), (2, "max")):
+            value = node.inputs[index] if len(node.inputs) > index else None
+            if value is None:
+                bounds.append(node.attributes.get_float(attribute, None))
+                continue
+            array = _constant(value)
+            if array is None:
+                return f"Clip bound {value.name!r} is not a constant"
+            bounds.append(float(array.reshape(-1)[0]))
+        return bounds[0], bounds[1]
+
+
+def matmul_nbits_rules(report: FixReport | None = None) -> RewriteRuleSet:
+    """Every rule of this module, recording into ``report`` when given."""
+    return RewriteRuleSet([
+        CastWeightDequantize.rule(report), FoldWeightTranspose.rule(report), FoldWeightReshape.rule(report),
+        GemmWeightToMatMul.rule(report), ReblockWeightDequantize.rule(report), UnshareWeightDequantize.rule(report),
+        ReluToMaxAfterNBits.rule(report), ClipToMinMaxAfterNBits.rule(report),
+    ])
