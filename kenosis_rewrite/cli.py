@@ -4,6 +4,7 @@
                     [--optimize-for latency] [--latency-budget S] [--threads N]
     kenosis-rewrite explain MODEL.onnx [--json]
     kenosis-rewrite profile MODEL.onnx [--runs N]
+    kenosis-rewrite quantize FP32.onnx OUT.onnx [--calibration DIR|synthetic] [--per-tensor] [--fidelity COS]
     kenosis-rewrite bench MODEL.onnx|zoo:NAME [...]
 
 Exit codes: 0 success, 1 the input was refused (a KenosisError; the message says why),
@@ -50,6 +51,22 @@ def _explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from kenosis_rewrite.quantize import quantize  # noqa: PLC0415
+
+    calibration = None if args.calibration in (None, "synthetic") else args.calibration
+    model, report = quantize(
+        args.input, calibration, per_channel=args.per_channel, target=args.target,
+        calibration_samples=args.samples, calibration_method=args.method, target_cosine=args.fidelity,
+        snr_threshold_db=args.snr_threshold, optimize_for=args.optimize_for, return_report=True,
+    )
+    onnx.save(model, args.output)
+    if args.report:
+        print(report.summary())
+    print(f"wrote {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
 def _profile(args: argparse.Namespace) -> int:
     from kenosis_rewrite import fidelity, profiler  # noqa: PLC0415
 
@@ -87,6 +104,24 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("model", help=".onnx model (quantized or not)")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(handler=_explain)
+    quant = commands.add_parser("quantize", help="FP32 model -> quantized, fixed, protected QDQ model")
+    quant.add_argument("input", help="FP32 .onnx model")
+    quant.add_argument("output", help="where to write the quantized model")
+    quant.add_argument("--calibration", metavar="DIR|synthetic", default=None,
+                       help="a folder of images, or 'synthetic' (default: self-calibration)")
+    quant.add_argument("--samples", type=int, default=32, help="calibration samples (default 32)")
+    quant.add_argument("--method", default="minmax", choices=["minmax", "percentile", "entropy", "mse"])
+    quant.add_argument("--per-channel", dest="per_channel", action="store_true", default=True,
+                       help="per-channel weights (default)")
+    quant.add_argument("--per-tensor", dest="per_channel", action="store_false", help="per-tensor weights")
+    quant.add_argument("--fidelity", type=float, metavar="COS", default=None,
+                       help="keep the fewest layers in FP32 that bring the output cosine to COS")
+    quant.add_argument("--snr-threshold", type=float, metavar="DB", default=None,
+                       help="keep layers whose weight SNR or local SQNR is below DB in FP32")
+    quant.add_argument("--target", default="ort-cpu")
+    quant.add_argument("--optimize-for", choices=["latency"], default=None)
+    quant.add_argument("--report", action="store_true")
+    quant.set_defaults(handler=_quantize)
     prof = commands.add_parser("profile", help="per-layer time: as the model runs now vs in float")
     prof.add_argument("model", help=".onnx model")
     prof.add_argument("--runs", type=int, default=20)

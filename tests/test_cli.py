@@ -74,3 +74,16 @@ def test_fix_optimize_for_latency_flag(tmp_path, monkeypatch, capsys):
                      "--report"]) == cli.EXIT_OK
     onnx.checker.check_model(onnx.load(target), full_check=True)
     assert "latency placement:" in capsys.readouterr().out
+
+
+def test_quantize_command_self_calibrates_and_reports(tmp_path, capsys):
+    source = tmp_path / "fp32.onnx"
+    onnx.save(toy_models.build("resnetish"), source)
+    target = tmp_path / "int8.onnx"
+    assert cli.main(["quantize", str(source), str(target), "--calibration", "synthetic", "--samples", "8",
+                     "--fidelity", "0.9999", "--report"]) == cli.EXIT_OK
+    model = onnx.load(target)
+    onnx.checker.check_model(model, full_check=True)
+    assert _testing.ort_optimized_op_types(model)["QLinearConv"] >= 1
+    out = capsys.readouterr().out
+    assert "calibration: synthetic (8 samples)" in out and "sensitivity:" in out
