@@ -9,7 +9,7 @@ ONNX Runtime's CPU EP fuses that into ``com.microsoft.MatMulNBits`` (a 4/8-bit k
 materialises the float weight) when its selector ``DQMatMulToMatMulNBits`` accepts it. Measured on
 onnxruntime 1.31.1 (see :mod:`kenosis_rewrite.rules.matmul_nbits` for the rules that repair models
 that miss it), the DQ must: be blocked along axis 0 of a 2-D constant weight, with a power-of-two
-``block_size >= 16``; be 4-bit (int4/uint4) or 8-bit (int8/uint8); have float or float16 scales of the
+``block_size`` from 16 to 256; be 4-bit (int4/uint4) or 8-bit (int8/uint8); have float or float16 scales of the
 MatMul's type; feed exactly one MatMul, and its quantized weight must be read by that DQ only;
 and the MatMul's single consumer must not be a Relu/Clip (ORT then treats it as an activation to
 absorb into a Q that is not there and gives up). This module emits exactly that form:
@@ -383,9 +383,9 @@ def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, e
 def _check_arguments(bits: int, block_size: int) -> None:
     if bits not in (4, 8):
         raise KenosisError(f"bits must be 4 or 8, got {bits!r}")
-    if block_size < 16 or block_size & (block_size - 1):
+    if not 16 <= block_size <= 256 or block_size & (block_size - 1):
         raise KenosisError(
-            f"block_size must be a power of two >= 16 (what ORT's MatMulNBits accepts), got {block_size!r}"
+            f"block_size must be a power of two from 16 to 256 (what ORT fuses into MatMulNBits), got {block_size!r}"
         )
 
 
@@ -407,7 +407,7 @@ def quantize_weights(
         model: float model (float32 or float16 weights): ModelProto, onnx_ir.Model or a path.
             Never modified.
         bits: 4 (int4/uint4) or 8 (int8/uint8).
-        block_size: rows of ``W[K, N]`` per scale; a power of two >= 16.
+        block_size: rows of ``W[K, N]`` per scale; a power of two from 16 to 256.
         symmetric: signed values with zero point 0; else unsigned values with a zero point per block.
         op_types: which ops to quantize (``"MatMul"``, ``"Gemm"``).
         exclude: node names or weight initializer names to leave float, or a predicate on the node.

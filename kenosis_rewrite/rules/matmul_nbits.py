@@ -8,7 +8,8 @@ a float MatMul (several times slower, the float weight in memory):
 
 * the DQ's data is int4, uint4, int8 or uint8 (int16 and float8 never fuse);
 * the DQ is blocked along axis 0 of a 2-D constant ``[K, N]`` weight with a power-of-two
-  ``block_size >= 16`` (a 4-bit per-column DQ, axis 1, also fuses);
+  ``block_size`` from 16 to 256 (512 and 1024 measured not to fuse; a 4-bit per-column DQ, axis 1,
+  also fuses);
 * its scales have the MatMul's float type and nothing (no Cast, Transpose, Reshape) sits between
   the DQ and the MatMul's input B;
 * the DQ feeds only this MatMul, and its constants are read by no other node (even two DQs
@@ -29,9 +30,9 @@ Transformations (each refuses with a reason when its condition fails):
 * ``fold-weight-layout``: ``DQ -> Transpose([1, 0]) -> MatMul`` and ``DQ -> Reshape -> MatMul`` (a
   reshape that only adds or removes unit dims) ==> the DQ of the transposed/reshaped constants,
   with axis and block layout moved along. Exact (a relabelling of the same numbers).
-* ``reblock-weight-dequantize``: a block size that is not a power of two (e.g. ``block_size = K``
-  from channel-wise quantization) ==> the largest power-of-two divisor ``>= 16`` with each scale
-  repeated. Exact. Refused when no such divisor exists.
+* ``reblock-weight-dequantize``: a block size that is not a power of two in [16, 256] (e.g.
+  ``block_size = K`` from channel-wise quantization) ==> its largest power-of-two divisor in
+  [16, 256], each scale repeated. Exact. Refused when no such divisor exists.
 * ``gemm-weight-to-matmul``: ``Gemm(A, DQ(W[N, K]), C, transB=1)`` ==> ``MatMul(A, DQ(W^T)) + beta*C``.
   Same arithmetic up to float summation order (reported inexact). Refused for transA, alpha != 1,
   or beta != 1 with a non-constant C.
@@ -66,6 +67,7 @@ NBITS_TYPES = (ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.INT8, ir.DataTyp
 FOUR_BIT = (ir.DataType.INT4, ir.DataType.UINT4)
 SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 MIN_BLOCK = 16
+MAX_BLOCK = 256  # measured on ORT 1.31.1: block_size 512 and 1024 do not fuse
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +149,7 @@ def dequantize_constant(dq: WeightDQ, scale: np.ndarray | None = None) -> np.nda
 
 def _fusible_block(dq: WeightDQ) -> bool:
     block = dq.block_size
-    return block >= MIN_BLOCK and not block & (block - 1)
+    return MIN_BLOCK <= block <= MAX_BLOCK and not block & (block - 1)
 
 
 def _reads_dequantize(value: ir.Value | None) -> bool:
@@ -432,7 +434,7 @@ class FoldWeightReshape(_NBitsRule):
 
 
 def fusible_divisor(block_size: int) -> int | None:
-    """The largest power of two >= 16 dividing ``block_size`` (at most 256), or None."""
+    """The largest power of two in [16, 256] dividing ``block_size``, or None."""
     for candidate in (256, 128, 64, 32, 16):
         if block_size % candidate == 0:
             return candidate

@@ -206,7 +206,7 @@ def test_reshape_of_unit_dims_is_folded_into_the_constants():
     _assert_bit_identical(proto, fixed)
 
 
-@pytest.mark.parametrize(("block", "expected"), [(48, 16), (80, 16), (96, 32)])
+@pytest.mark.parametrize(("block", "expected"), [(48, 16), (80, 16), (96, 32), (1024, 256)])
 def test_non_power_of_two_block_is_reblocked_exactly(block, expected):
     blocks = -(-K // block)
     inits = [_tensor("w_q", _q4((K, N)), T.INT4), _tensor("w_s", _scales((blocks, N)), T.FLOAT)]
