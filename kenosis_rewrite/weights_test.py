@@ -211,10 +211,13 @@ def test_ort_quantizer_models_keep_or_gain_their_fusion_after_fix():
         before = _testing.ort_optimized_op_types(quantized)["MatMulNBits"]
         fixed = kenosis_rewrite.fix(quantized)
         assert _testing.ort_optimized_op_types(fixed)["MatMulNBits"] >= before
-        assert [n.op_type for n in fixed.graph.node] == [n.op_type for n in quantized.graph.node]
+        # every weight DQ kept bit for bit (with or without the MatMulNBits rules in fix())
+        assert {t.name: t for t in quantized.graph.initializer if t.data_type in (T.INT4, T.UINT4)}.items() <= \
+            {t.name: t for t in fixed.graph.initializer}.items()
         feed = {"x": np.random.default_rng(0).standard_normal(
             [d.dim_value for d in float_model.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)}
-        np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(quantized, feed)[0])
+        np.testing.assert_array_equal(_testing.outputs(fixed, feed, optimized=False)[0],
+                                      _testing.outputs(quantized, feed, optimized=False)[0])
         gained = _with_nbits_rules(fixed)
         eligible = sum(n.op_type == "DequantizeLinear" for n in quantized.graph.node)
         assert _testing.ort_optimized_op_types(gained)["MatMulNBits"] == eligible
