@@ -24,12 +24,13 @@ from kenosis_rewrite.errors import (
 from kenosis_rewrite.explain import FusionReport, explain
 from kenosis_rewrite.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.weights import quantize_weights
 
 __version__ = "0.1.0"
 
 
 __all__ = [
-    "TARGETS", "FixPass", "FixReport", "FusionReport", "fix", "fix_with_report", "rules", "explain",
+    "TARGETS", "FixPass", "FixReport", "FusionReport", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
     "KenosisError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
     "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
     "UnsupportedTargetError", "ZooError",

@@ -360,7 +360,7 @@ def heavy_op_macs(node: ir.Node) -> int:
 # Mapping optimized nodes back to input heavy ops
 # --------------------------------------------------------------------------------------------
 
-_SUFFIXES = re.compile(r"(_token_\d+|/duplicated|_nchwc)+$")
+_SUFFIXES = re.compile(r"(_token_\d+|/duplicated|_nchwc|/MatMulAddFusion)+$")
 
 
 def base_name(name: str) -> str:
@@ -422,7 +422,8 @@ def match_optimized(heavy: ir.Node, optimized: Sequence[onnx.NodeProto]) -> onnx
     candidates = [n for n in optimized if _is_compute_candidate(n)]
     params, outputs = _heavy_keys(heavy)
     by_name = [n for n in candidates if heavy.name and base_name(n.name) == heavy.name]
-    by_param = [n for n in candidates if params & set(n.input)]
+    # ORT renames a MatMulNBits weight "<name>_T" (transposed for the kernel).
+    by_param = [n for n in candidates if params & ({*n.input} | {i[:-2] for i in n.input if i.endswith("_T")})]
     by_output = [n for n in candidates if outputs & set(n.output)]
     for group in (by_name, by_param, by_output):
         if group:

@@ -47,6 +47,7 @@ from kenosis_rewrite.rules.activation_islands import (
     ReluZeroPointToQmin,
 )
 from kenosis_rewrite.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldBatchNormIntoConvThroughQDQ
+from kenosis_rewrite.rules.matmul_nbits import matmul_nbits_rules
 from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
 
 __all__ = ["TargetFacts", "Target", "TARGETS", "get_target"]
@@ -84,6 +85,7 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
         FoldReluIsland.rule(report), FoldClipIsland.rule(report),
         ReluZeroPointToQmin.rule(report), ClipZeroPointToQmin.rule(report),
         PReluToLeakyRelu.rule(report), PReluToReluMin.rule(report),
+        *matmul_nbits_rules(report).rules,
     ]
 
 

@@ -92,6 +92,8 @@ class ActivationInt8ToUint8Pass(ReportingPass):
         params = _qdq.quant_params(node)
         if params is None or params.dtype != ir.DataType.INT8:
             return 0
+        if _qdq.const_array(node.inputs[0]) is not None:
+            return 0  # Q(constant) quantizes a weight or a constant, not an activation
         output = node.outputs[0]
         where = node.name or output.name or "QuantizeLinear"
         if output.is_graph_output():
