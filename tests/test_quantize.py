@@ -101,3 +101,32 @@ def test_other_targets_quantize_symmetric_or_int8(target):
     assert eight_bit and all(z.dtype == np.int8 for z in eight_bit)
     if target != "ort-cpu-arm":
         assert not any(z.any() for z in eight_bit)  # symmetric
+
+
+def test_per_channel_auto_and_opset_policy():
+    from kenosis_rewrite.quantize import _weight_snr_db, per_channel_overrides
+
+    rng = np.random.default_rng(0)
+    uneven = rng.standard_normal((8, 4, 3, 3)) * np.array([1, 1, 1, 1, 1, 1, 1, 50.0]).reshape(8, 1, 1, 1)
+    assert _weight_snr_db(uneven, 0) - _weight_snr_db(uneven, None) > 6  # per-channel pays off here
+    even = rng.standard_normal((8, 4, 3, 3))
+    assert _weight_snr_db(even, 0) - _weight_snr_db(even, None) < 6
+    w1 = numpy_helper.from_array(uneven.astype(np.float32), "uneven")
+    w2 = numpy_helper.from_array(even.reshape(8, 4, 3, 3)[:, :4].astype(np.float32).repeat(2, axis=1), "even")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "uneven"], ["a"], pads=[1, 1, 1, 1]),
+         helper.make_node("Conv", ["a", "even"], ["y"], pads=[1, 1, 1, 1])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])], [w1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert set(per_channel_overrides(model)) == {"uneven"}
+    quantized, report = quantize(model, per_channel="auto", return_report=True)
+    assert "1 tensors" in report.summary()
+    # an old-opset model whose weights gain little from per-channel keeps its opset (no conversion ops)
+    old = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "even"], ["y"], pads=[1, 1, 1, 1])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])], [w2]),
+        opset_imports=[helper.make_opsetid("", 11)], ir_version=7)
+    kept, kept_report = quantize(old, return_report=True)
+    assert kept.opset_import[0].version == 11 and "kept opset 11" in kept_report.summary()

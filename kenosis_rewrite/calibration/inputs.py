@@ -239,6 +239,8 @@ def _candidate_score(response: np.ndarray, bias: np.ndarray | None, bn) -> float
 
 def _preprocessed(pixels: np.ndarray, scale: float, mean, std, channels: int) -> np.ndarray:
     """NHWC pixels in [0,1] -> NCHW model input with (p*scale - mean)/std per channel."""
+    if pixels.shape[-1] < channels:  # e.g. RGBA: repeat the colour planes
+        pixels = np.concatenate([pixels] * -(-channels // pixels.shape[-1]), axis=-1)
     mean = np.resize(np.asarray(mean, np.float64), channels)
     std = np.resize(np.asarray(std, np.float64), channels)
     return ((pixels[..., :channels] * scale - mean) / std).transpose(0, 3, 1, 2)
