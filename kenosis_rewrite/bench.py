@@ -136,15 +136,25 @@ def measure_latency(
     threads: int = 1,
     warmup: int = 20,
     runs: int = 100,
+    min_seconds: float = 0.0,
 ) -> dict[str, LatencyStats]:
-    """Latency of every model on ``feed``: ``warmup`` runs each, then ``runs`` interleaved timed runs each."""
+    """Latency of every model on ``feed``: ``warmup`` runs each, then interleaved timed runs each.
+
+    At least ``runs`` timed runs per model, more when needed to spend ``min_seconds`` on the
+    slowest one (sub-millisecond models need thousands of runs for a stable median on a shared VM).
+    """
     if runs < 1 or warmup < 0:
         raise ValueError(f"need runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
     sessions = {name: _session(name, model, threads) for name, model in models.items()}
     feed = dict(feed)
+    slowest = 0.0
     for name, session in sessions.items():
+        start = time.perf_counter()
         for _ in range(max(1, warmup)):
             _run(name, session, feed)
+        slowest = max(slowest, (time.perf_counter() - start) / max(1, warmup))
+    if min_seconds > 0 and slowest > 0:
+        runs = max(runs, int(min_seconds / slowest))
     samples: dict[str, list[float]] = {name: [] for name in sessions}
     for name, count in _round_robin_orders(list(sessions), runs):
         session = sessions[name]
@@ -412,7 +422,7 @@ class BenchResult:
 
     def _setup_line(self) -> str:
         env = ", ".join(f"{k} {v}" for k, v in self.environment.items())
-        return (f"{self.threads} thread(s), {self.warmup} warm-up + {self.runs} interleaved runs per variant; "
+        return (f"{self.threads} thread(s), {self.warmup} warm-up + at least {self.runs} interleaved runs per variant (3 s of runs for fast models); "
                 f"fidelity vs FP32 on {self.feeds}. {env}")
 
     def to_markdown(self) -> str:
@@ -661,6 +671,7 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     include_latency: bool = False,
     include_quantize: bool = False,
+    min_seconds: float = 0.0,
 ) -> BenchResult:
     """FP32 vs ``quantize_static`` in each config vs its ``fix()``: latency, size, integer MACs, fidelity.
 
@@ -674,6 +685,7 @@ def run_bench(
         progress: called with a short message before each step (e.g. print to stderr).
         include_latency: also ``fix(..., optimize_for="latency")`` of each config.
         include_quantize: also kenosis ``quantize()`` (calibration photos, and self-calibration).
+        min_seconds: more timed runs than ``runs`` when needed to spend this long on each variant.
     """
     say = progress or (lambda message: None)
     from kenosis_rewrite.ort_quantize import ORT_CONFIGS  # noqa: PLC0415
@@ -692,7 +704,7 @@ def run_bench(
             _describe(variant, models[variant.name], inputs, reference, threads)
     measurable = {v.name: models[v.name] for v in results if v.error is None}
     say(f"timing {len(measurable)} variants: {warmup} warm-up + {runs} interleaved runs each")
-    latencies = measure_latency(measurable, inputs.evaluation[0], threads, warmup, runs)
+    latencies = measure_latency(measurable, inputs.evaluation[0], threads, warmup, runs, min_seconds)
     for variant in results:
         variant.latency = latencies.get(variant.name)
     _speedups(results)
@@ -718,6 +730,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per session (default 1)")
     parser.add_argument("--runs", type=int, default=100, help="timed runs per variant (default 100)")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up runs per variant (default 20)")
+    parser.add_argument("--min-seconds", type=float, default=3.0,
+                        help="more runs when needed to time each variant this long (default 3)")
     parser.add_argument("--calibration-samples", type=int, default=6, help="calibration inputs (default 6)")
     parser.add_argument("--no-fix", action="store_true", help="leave out the fix() variants")
     parser.add_argument("--latency", action="store_true",
@@ -761,7 +775,7 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
             calibration_samples=args.calibration_samples, include_fix=not args.no_fix,
             streams=args.streams, stream_seconds=args.stream_seconds, cache_dir=args.cache_dir,
             progress=_progress_printer() if sys.stderr.isatty() else None,
-            include_latency=args.latency, include_quantize=args.quantize,
+            include_latency=args.latency, include_quantize=args.quantize, min_seconds=args.min_seconds,
         )
     except (KenosisError, OSError) as error:
         print(f"kenosis-rewrite bench: error: {error}", file=sys.stderr)

@@ -273,7 +273,7 @@ def test_run_bench_with_throughput(fix_and_explain, toy_path):
 
 def test_bench_main_writes_all_reports(fix_and_explain, toy_path, tmp_path, capsys):
     out = tmp_path / "r"
-    code = bench.bench_main([toy_path, "--configs", "u8s8", "--runs", "3", "--warmup", "1",
+    code = bench.bench_main([toy_path, "--configs", "u8s8", "--runs", "3", "--warmup", "1", "--min-seconds", "0",
                              "--calibration-samples", "2", "--json", f"{out}.json",
                              "--markdown", f"{out}.md", "--html", f"{out}.html"])
     assert code == 0
@@ -333,3 +333,13 @@ def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
         assert name in names and names[name].error is None, (name, names.get(name))
         assert names[name].latency is not None and names[name].fidelity.cosine > 0.99
     assert "default+fix+latency" in result.to_markdown()
+
+
+def test_min_seconds_adds_runs_for_fast_models():
+    from kenosis_rewrite import bench, toy_models
+
+    model = toy_models.build("conv_relu")
+    feed = toy_models.random_feeds(model, 1)[0]
+    quick = bench.measure_latency({"m": model}, feed, warmup=2, runs=5)
+    longer = bench.measure_latency({"m": model}, feed, warmup=2, runs=5, min_seconds=0.2)
+    assert quick["m"].runs == 5 and longer["m"].runs > 5

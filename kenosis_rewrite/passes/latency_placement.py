@@ -10,9 +10,11 @@ depthwise convolutions gain little from int8. This pass measures instead of assu
    against its float kernel (:mod:`kenosis_rewrite.profiler`).
 2. Return to float every layer whose estimated gain is positive (all at once), and keep the result
    only if an interleaved A/B measurement says the whole model got faster.
-3. Refine greedily while the time budget lasts: toggle single layers, most uncertain first, each
+3. Try float prefixes of the network (early, memory-bound layers float, late ones integer: also
+   fewer layout changes between integer and float kernels).
+4. Refine greedily while the time budget lasts: toggle single layers, most uncertain first, each
    kept only when measured faster by more than ``min_gain``.
-4. Compare with the fully float model; never return anything slower than the input.
+5. Compare with the fully float model; never return anything slower than the input.
 
 Returning a layer to float (:mod:`kenosis_rewrite.passes.dequantize`) dequantizes its weights and
 removes the Q/DQ pairs that only connected it to float neighbours: fidelity can only improve.
@@ -102,6 +104,8 @@ class _Search:
         self.deadline = time.monotonic() + budget_s
         self.min_gain = min_gain
         self.trials = 0
+        graph = _load_proto(base).graph
+        self.layer_order = [n.name for n in graph.node if n.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm")]
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
@@ -125,42 +129,45 @@ class _Search:
             gains[name] = layer.total_us - (other.total_us if other is not None else 0.0)
         return gains
 
+    def _try(self, layers: list[str]) -> None:
+        """Measure ``layers`` in float against the best so far; keep it when clearly faster."""
+        if self.out_of_time() or sorted(layers) == sorted(self.best_layers):
+            return
+        candidate = _variant(self.base, layers)
+        current_ms, candidate_ms = self.compare(self.best, candidate)
+        self.base_ms = self.base_ms if self.base_ms is not None else current_ms
+        if candidate_ms < current_ms * (1 - self.min_gain):
+            self.best, self.best_layers = candidate, list(layers)
+
     def run(self) -> PlacementResult:
         start = time.monotonic()
         float_variant = _variant(self.base, [ALL_FLOAT])
         gains = self.estimates(float_variant)
-        chosen = sorted((n for n, g in gains.items() if g > 0), key=lambda n: -gains[n])
-        best, best_layers = self.base, []
-        base_ms = best_ms = None
-        if chosen:
-            candidate = _variant(self.base, chosen)
-            base_ms, candidate_ms = self.compare(self.base, candidate)
-            best_ms = base_ms
-            if candidate_ms < base_ms * (1 - self.min_gain):
-                best, best_layers, best_ms = candidate, chosen, candidate_ms
-        # Refine: toggle single layers, the least certain estimates first.
+        order = [n for n in self.layer_order if n in gains]
+        self.best, self.best_layers, self.base_ms = self.base, [], None
+        # 1. every layer the profiles say is faster in float, together
+        self._try(sorted((n for n in gains if gains[n] > 0), key=lambda n: -gains[n]))
+        # 2. float prefixes: early layers (large maps, few channels) float, late ones integer;
+        #    contiguous regions also mean fewer layout changes between integer and float kernels.
+        steps = 8
+        for index in range(1, steps):
+            self._try(order[: round(len(order) * index / steps)])
+        # 3. toggle single layers, the least certain estimates first
         for name in sorted(gains, key=lambda n: abs(gains[n])):
-            if self.out_of_time():
-                break
-            layers = [n for n in best_layers if n != name] if name in best_layers else best_layers + [name]
-            candidate = _variant(self.base, layers)
-            current_ms, candidate_ms = self.compare(best, candidate)
-            base_ms = base_ms or current_ms
-            if candidate_ms < current_ms * (1 - self.min_gain):
-                best, best_layers, best_ms = candidate, layers, candidate_ms
+            if name in self.best_layers:
+                self._try([n for n in self.best_layers if n != name])
             else:
-                best_ms = current_ms if best_ms is None else best_ms
-        current_ms, float_ms = self.compare(best, float_variant)
-        base_ms = base_ms or current_ms
-        best_ms = current_ms
-        if float_ms < current_ms * (1 - self.min_gain):
+                self._try(self.best_layers + [name])
+        # 4. the whole model in float; and never anything slower than the input
+        best_ms, float_ms = self.compare(self.best, float_variant)
+        best_layers = self.best_layers
+        if float_ms < best_ms * (1 - self.min_gain):
             best_layers, best_ms = [ALL_FLOAT], float_ms
+        base_ms = self.base_ms if self.base_ms is not None else best_ms
         if best_layers and best_layers != [ALL_FLOAT]:
-            # Last word: never slower than the input.
-            base_now, best_now = self.compare(self.base, best)
-            base_ms, best_ms = base_now, best_now
-            if best_now >= base_now:
-                best_layers, best_ms = [], base_now
+            base_ms, best_ms = self.compare(self.base, self.best)
+            if best_ms >= base_ms:
+                best_layers, best_ms = [], base_ms
         return PlacementResult(best_layers, base_ms, best_ms, float_ms, self.trials, time.monotonic() - start)
 
 
