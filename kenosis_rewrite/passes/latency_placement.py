@@ -15,9 +15,12 @@ depthwise convolutions gain little from int8. This pass measures instead of assu
 4. Refine greedily while the time budget lasts: toggle single layers, most uncertain first, each
    kept only when measured faster by more than ``min_gain``.
 5. Compare with the fully float model; never return anything slower than the input.
+6. Compare with the fully integer model whose HardSwish runs on integer kernels
+   (:mod:`kenosis_rewrite.rules.hardswish`, approximate by about one output step).
 
 Returning a layer to float (:mod:`kenosis_rewrite.passes.dequantize`) dequantizes its weights and
-removes the Q/DQ pairs that only connected it to float neighbours: fidelity can only improve.
+removes the Q/DQ pairs that only connected it to float neighbours: quantization steps only go away.
+Stage 6 is the one approximate choice; the report says when it was taken.
 Decisions are cached under a hash of the model and the machine, and reported with their gains.
 """
 
@@ -55,6 +58,7 @@ class PlacementResult:
     trials: int
     seconds: float
     cached: bool = False
+    integer_hardswish: bool = False  # HardSwish decomposed onto QLinearAdd/QLinearMul first
 
     @property
     def speedup(self) -> float:
@@ -79,6 +83,17 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
 
 def _serialize(model: ir.Model) -> bytes:
     return ir.serde.serialize_model(model).SerializeToString()
+
+
+def _with_integer_hardswish(model: ir.Model, report: FixReport | None = None) -> int:
+    from kenosis_rewrite.rules.hardswish import hardswish_rules  # noqa: PLC0415
+
+    count = hardswish_rules(report).apply_to_model(model)
+    if count:
+        from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+        RemoveUnusedNodesPass()(model)
+    return count
 
 
 def _variant(base: bytes, float_layers: list[str]) -> bytes:
@@ -114,7 +129,7 @@ class _Search:
         """(current ms, candidate ms), interleaved in this process."""
         self.trials += 1
         sessions = {"current": _timing.session(current, self.threads), "candidate": _timing.session(candidate, self.threads)}
-        medians = _timing.interleaved_medians(sessions, self.feed, rounds=6, per_round=4, warmup=3)
+        medians = _timing.interleaved_medians(sessions, self.feed, rounds=10, per_round=5, warmup=3)
         return medians["current"] * 1e3, medians["candidate"] * 1e3
 
     def estimates(self, float_variant: bytes) -> dict[str, float]:
@@ -138,6 +153,16 @@ class _Search:
         self.base_ms = self.base_ms if self.base_ms is not None else current_ms
         if candidate_ms < current_ms * (1 - self.min_gain):
             self.best, self.best_layers = candidate, list(layers)
+
+    def _integer_hardswish_wins(self, best_ms: float) -> tuple[bool, float]:
+        """Stage 5: the whole model integer with HardSwish on integer kernels (approximate)."""
+        model = ir.serde.deserialize_model(_load_proto(self.base))
+        if self.out_of_time() or not _with_integer_hardswish(model):
+            return False, best_ms
+        current_ms, candidate_ms = self.compare(self.best, _serialize(model))
+        if candidate_ms < current_ms * (1 - self.min_gain):
+            return True, candidate_ms
+        return False, best_ms
 
     def run(self) -> PlacementResult:
         start = time.monotonic()
@@ -168,7 +193,13 @@ class _Search:
             base_ms, best_ms = self.compare(self.base, self.best)
             if best_ms >= base_ms:
                 best_layers, best_ms = [], base_ms
-        return PlacementResult(best_layers, base_ms, best_ms, float_ms, self.trials, time.monotonic() - start)
+        integer_hardswish = False
+        if best_layers != [ALL_FLOAT]:
+            integer_hardswish, best_ms = self._integer_hardswish_wins(best_ms)
+            if integer_hardswish:
+                best_layers = []
+        return PlacementResult(best_layers, base_ms, best_ms, float_ms, self.trials, time.monotonic() - start,
+                               integer_hardswish=integer_hardswish)
 
 
 class LatencyPlacementPass(ir.passes.InPlacePass):
@@ -211,10 +242,12 @@ class LatencyPlacementPass(ir.passes.InPlacePass):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(dataclasses.asdict(self.result)), encoding="utf-8")
         self._apply(model, self.result)
-        return ir.passes.PassResult(model, modified=bool(self.result.float_layers))
+        return ir.passes.PassResult(model, modified=bool(self.result.float_layers) or self.result.integer_hardswish)
 
     def _apply(self, model: ir.Model, result: PlacementResult) -> None:
         gain = f"model {result.base_ms:.3f} -> {result.best_ms:.3f} ms"
+        if result.integer_hardswish:
+            _with_integer_hardswish(model, self.report)
         if result.float_layers == [ALL_FLOAT]:
             DequantizeAllPass()(model)
         elif result.float_layers:
