@@ -48,7 +48,7 @@ def _outputs(model, feeds):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--target-cosine", type=float, default=0.995)
+    parser.add_argument("--target-cosine", type=float, default=0.998)
     args = parser.parse_args(argv)
 
     float_model = zoo.load_model(MODEL)
