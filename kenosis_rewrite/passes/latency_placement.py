@@ -15,8 +15,8 @@ depthwise convolutions gain little from int8. This pass measures instead of assu
 4. Refine greedily while the time budget lasts: toggle single layers, most uncertain first, each
    kept only when measured faster by more than ``min_gain``.
 5. Compare with the fully float model; never return anything slower than the input.
-6. Compare with the fully integer model whose HardSwish runs on integer kernels
-   (:mod:`kenosis_rewrite.rules.hardswish`, approximate by about one output step).
+6. Run the HardSwish islands left between integer layers on integer kernels
+   (:mod:`kenosis_rewrite.rules.hardswish`, approximate by about one output step), if faster.
 
 Returning a layer to float (:mod:`kenosis_rewrite.passes.dequantize`) dequantizes its weights and
 removes the Q/DQ pairs that only connected it to float neighbours: quantization steps only go away.
@@ -58,7 +58,7 @@ class PlacementResult:
     trials: int
     seconds: float
     cached: bool = False
-    integer_hardswish: bool = False  # HardSwish decomposed onto QLinearAdd/QLinearMul first
+    integer_hardswish: bool = False  # HardSwish islands left next to integer layers on QLinear kernels
 
     @property
     def speedup(self) -> float:
@@ -155,12 +155,13 @@ class _Search:
         if candidate_ms < current_ms * (1 - self.min_gain):
             self.best, self.best_layers = candidate, list(layers)
 
-    def _integer_hardswish_wins(self, best_ms: float) -> tuple[bool, float]:
-        """Stage 5: the whole model integer with HardSwish on integer kernels (approximate)."""
-        model = ir.serde.deserialize_model(_load_proto(self.base))
-        if self.out_of_time() or not _with_integer_hardswish(model):
+    def _integer_hardswish_wins(self, best_layers: list[str], best_model: bytes, best_ms: float) -> tuple[bool, float]:
+        """Stage 6: the chosen placement with the HardSwish islands still between a DQ and a Q (next
+        to integer layers) on integer kernels (approximate), kept only when measured faster."""
+        model = ir.serde.deserialize_model(_load_proto(best_model))
+        if not _with_integer_hardswish(model):
             return False, best_ms
-        current_ms, candidate_ms = self.compare(self.best, _serialize(model))
+        current_ms, candidate_ms = self.compare(best_model, _serialize(model))
         if candidate_ms < current_ms * (1 - self.min_gain):
             return True, candidate_ms
         return False, best_ms
@@ -196,9 +197,8 @@ class _Search:
                 best_layers, best_ms = [], base_ms
         integer_hardswish = False
         if best_layers != [ALL_FLOAT]:
-            integer_hardswish, best_ms = self._integer_hardswish_wins(best_ms)
-            if integer_hardswish:
-                best_layers = []
+            best_model = self.best if best_layers else self.base
+            integer_hardswish, best_ms = self._integer_hardswish_wins(best_layers, best_model, best_ms)
         return PlacementResult(best_layers, base_ms, best_ms, float_ms, self.trials, time.monotonic() - start,
                                integer_hardswish=integer_hardswish)
 
@@ -247,12 +247,12 @@ class LatencyPlacementPass(ir.passes.InPlacePass):
 
     def _apply(self, model: ir.Model, result: PlacementResult) -> None:
         gain = f"model {result.base_ms:.3f} -> {result.best_ms:.3f} ms"
-        if result.integer_hardswish:
-            _with_integer_hardswish(model, self.report)
         if result.float_layers == [ALL_FLOAT]:
             DequantizeAllPass()(model)
         elif result.float_layers:
             FloatRegionsPass(result.float_layers, self.report, {n: gain for n in result.float_layers})(model)
+        if result.integer_hardswish:  # after the float regions: only islands next to integer layers
+            _with_integer_hardswish(model, self.report)
         if self.report is not None:
             how = "cached decision" if result.cached else f"{result.trials} measured trials in {result.seconds:.1f} s"
             if result.float_layers == [ALL_FLOAT]:

@@ -215,7 +215,11 @@ def test_non_power_of_two_block_is_reblocked_exactly(block, expected):
     assert report.changes[0].rule == "reblock-weight-dequantize"
     dq = fixed.graph.node[0]
     assert {a.name: a.i for a in dq.attribute}["block_size"] == expected
-    assert _nbits(proto) == 0 and _nbits(fixed) == 1
+    # onnxruntime 1.31 fuses none of these block sizes; 1.32 fuses 1024 itself. Either way the
+    # reblocked model must fuse.
+    assert _nbits(fixed) == 1 and _nbits(proto) <= _nbits(fixed)
+    if block != 1024:
+        assert _nbits(proto) == 0
     _assert_bit_identical(proto, fixed)
 
 
