@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from kenosis_rewrite.fidelity import random_feeds
 from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError
 
 __all__ = [
@@ -297,42 +298,8 @@ def fidelity(
 
 # --------------------------------------------------------------------------- feeds
 
-_NUMPY_TYPES = {
-    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.DOUBLE: np.float64,
-    onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT8: np.int8,
-    onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.BOOL: np.bool_,
-}
-
-
-def _concrete_shape(value: onnx.ValueInfoProto) -> list[int]:
-    """Static dims kept; a dynamic batch (first) dim -> 1; other dynamic dims -> 224 (images) or 128."""
-    dims = value.type.tensor_type.shape.dim
-    shape = []
-    for index, dim in enumerate(dims):
-        if dim.HasField("dim_value") and dim.dim_value > 0:
-            shape.append(dim.dim_value)
-        else:
-            shape.append(1 if index == 0 else (224 if len(dims) == 4 else 128))
-    return shape
-
-
-def synthetic_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """``n`` random feeds for a model's graph inputs: floats N(0,1), integers 0, booleans False."""
-    rng = np.random.default_rng(seed)
-    initializers = {init.name for init in model.graph.initializer}
-    inputs = [value for value in model.graph.input if value.name not in initializers]
-    feeds = []
-    for _ in range(n):
-        feed = {}
-        for value in inputs:
-            dtype = _NUMPY_TYPES.get(value.type.tensor_type.elem_type)
-            if dtype is None:
-                raise KenosisError(f"bench: cannot make synthetic data for input {value.name!r} of this type")
-            shape = _concrete_shape(value)
-            floating = np.issubdtype(dtype, np.floating)
-            feed[value.name] = rng.standard_normal(shape).astype(dtype) if floating else np.zeros(shape, dtype)
-        feeds.append(feed)
-    return feeds
+# Random N(0,1) feeds for a user model (one implementation, shared with fix()'s fidelity check).
+synthetic_feeds = random_feeds
 
 
 # --------------------------------------------------------------------------- results

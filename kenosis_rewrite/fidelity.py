@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 
 from kenosis_rewrite import _io
-from kenosis_rewrite.errors import RuntimeMeasurementError
+from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
 __all__ = ["random_feeds", "run", "cosine", "sqnr_db", "compare_to_float"]
 
@@ -21,8 +21,20 @@ _NUMPY_OF_ONNX = {
 }
 
 
+def _concrete_shape(value: onnx.ValueInfoProto) -> list[int]:
+    """Static dims kept; a dynamic batch (first) dim -> 1; other dynamic dims -> 224 (images) or 128."""
+    dims = value.type.tensor_type.shape.dim
+    return [
+        d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (1 if i == 0 else (224 if len(dims) == 4 else 128))
+        for i, d in enumerate(dims)
+    ]
+
+
 def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """``n`` feeds of N(0,1) floats (zeros for integer inputs); unknown dims: batch 1, others 32."""
+    """``n`` random feeds for the graph inputs: floats N(0,1), integers 0, booleans False.
+
+    For measuring, not calibrating (see :func:`kenosis_rewrite.calibration.synthetic_feeds`).
+    """
     rng = np.random.default_rng(seed)
     initializers = {init.name for init in model.graph.initializer}
     inputs = [v for v in model.graph.input if v.name not in initializers]
@@ -30,16 +42,12 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
     for _ in range(n):
         feed = {}
         for value in inputs:
-            tensor_type = value.type.tensor_type
-            shape = [
-                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (1 if i == 0 else 32)
-                for i, d in enumerate(tensor_type.shape.dim)
-            ]
-            dtype = _NUMPY_OF_ONNX.get(tensor_type.elem_type, np.float32)
-            if np.issubdtype(dtype, np.floating):
-                feed[value.name] = rng.standard_normal(shape).astype(dtype)
-            else:
-                feed[value.name] = np.zeros(shape, dtype=dtype)
+            dtype = _NUMPY_OF_ONNX.get(value.type.tensor_type.elem_type)
+            if dtype is None:
+                raise KenosisError(f"cannot make random data for input {value.name!r} of this type")
+            shape = _concrete_shape(value)
+            floating = np.issubdtype(dtype, np.floating)
+            feed[value.name] = rng.standard_normal(shape).astype(dtype) if floating else np.zeros(shape, dtype)
         feeds.append(feed)
     return feeds
 

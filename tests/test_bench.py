@@ -22,21 +22,6 @@ from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture()
-def fix_and_explain(monkeypatch):
-    """The real fix()/explain() when the modules import; identity / constant stand-ins otherwise."""
-    try:
-        import kenosis_rewrite.pipeline  # noqa: F401
-    except ImportError:
-        monkeypatch.setitem(sys.modules, "kenosis_rewrite.pipeline", types.SimpleNamespace(fix=lambda model: model))
-    try:
-        import kenosis_rewrite.explain  # noqa: F401
-    except ImportError:
-        report = types.SimpleNamespace(integer_mac_fraction=0.5)
-        monkeypatch.setitem(sys.modules, "kenosis_rewrite.explain",
-                            types.SimpleNamespace(explain=lambda model, threads=1: report))
-
-
 @pytest.fixture(scope="module")
 def toy_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("bench") / "conv_relu.onnx"
@@ -50,10 +35,6 @@ def toy_result(toy_path) -> bench.BenchResult:
 
 
 def _toy_bench(toy_path: str, **kwargs) -> bench.BenchResult:
-    try:
-        import kenosis_rewrite.pipeline  # noqa: F401
-    except ImportError:
-        pytest.skip("kenosis_rewrite.pipeline not importable; covered by test_run_bench_with_stand_in_fix")
     defaults = {"configs": ("default", "u8s8"), "runs": 6, "warmup": 1, "calibration_samples": 2}
     return bench.run_bench(toy_path, **{**defaults, **kwargs})
 
@@ -260,7 +241,7 @@ def test_run_bench_refuses_unknown_config(toy_path):
         bench.run_bench(toy_path, configs=("nope",))
 
 
-def test_run_bench_with_throughput(fix_and_explain, toy_path):
+def test_run_bench_with_throughput(toy_path):
     result = _toy_bench(toy_path, configs=("u8s8",), include_fix=False, streams=2, stream_seconds=0.1)
     assert [v.name for v in result.variants] == ["fp32", "u8s8"]
     assert set(result.throughput) == {"fp32", "u8s8"}
@@ -271,7 +252,7 @@ def test_run_bench_with_throughput(fix_and_explain, toy_path):
 # --------------------------------------------------------------------------- command line
 
 
-def test_bench_main_writes_all_reports(fix_and_explain, toy_path, tmp_path, capsys):
+def test_bench_main_writes_all_reports(toy_path, tmp_path, capsys):
     out = tmp_path / "r"
     code = bench.bench_main([toy_path, "--configs", "u8s8", "--runs", "3", "--warmup", "1", "--min-seconds", "0",
                              "--calibration-samples", "2", "--json", f"{out}.json",
@@ -302,7 +283,7 @@ def test_bench_main_reports_refusals_with_exit_codes(tmp_path, capsys):
 
 
 @pytest.mark.real_model
-def test_run_bench_on_a_real_model_uses_real_photos(fix_and_explain, tmp_path_factory):
+def test_run_bench_on_a_real_model_uses_real_photos(tmp_path_factory):
     from kenosis_rewrite import zoo
 
     cache = os.environ.get("KENOSIS_CACHE") or str(tmp_path_factory.getbasetemp() / "kenosis-zoo-cache")

@@ -38,7 +38,7 @@ What is inferred, per graph input (see :func:`infer_inputs`; ``InputSpec.reason`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
