@@ -4,6 +4,7 @@
     fixed = kenosis_rewrite.fix(quantized_model)            # same kind of model back
     fixed, report = kenosis_rewrite.fix_with_report(quantized_model)
     print(kenosis_rewrite.explain(fixed).summary())          # which Conv/MatMul/Gemm run integer
+    model = kenosis_rewrite.quantize(fp32_model)             # the whole pipeline, self-calibrated
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kenosis_rewrite.errors import (
 )
 from kenosis_rewrite.explain import FusionReport, explain
 from kenosis_rewrite.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
+from kenosis_rewrite.quantize import quantize
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.weights import quantize_weights
 
@@ -30,7 +32,7 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "TARGETS", "FixPass", "FixReport", "FusionReport", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
+    "TARGETS", "FixPass", "FixReport", "FusionReport", "quantize", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
     "KenosisError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
     "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
     "UnsupportedTargetError", "ZooError",
