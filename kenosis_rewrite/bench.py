@@ -5,8 +5,10 @@ Rules the harness follows so that numbers from one run can be compared with each
 * one process, every variant's session built up front, single-thread by default
   (``intra_op_num_threads=threads``, ``inter_op_num_threads=1``, sequential execution);
 * ``warmup`` runs per variant, then ``runs`` timed runs per variant, **interleaved round-robin**
-  (rounds of a few runs per variant, the order reversed every other round) so that drift in
-  clock speed or noisy neighbours hits every variant alike;
+  in turns of ~0.2 s, the order reversed every other round, so that drift in clock speed or noisy
+  neighbours hits every variant alike; each turn starts with ~30 ms of untimed runs, because the
+  first runs after a session switch are up to 15% slower (caches full of the other model) and
+  made medians of short turns swing by 20-40% between identical runs;
 * median, p90 and FPS per variant; speedup against FP32 and against the unfixed model.
 
     result = run_bench("zoo:mtcnn_onet", configs=("default", "u8s8"))
@@ -26,12 +28,13 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
+from kenosis_rewrite import _timing
 from kenosis_rewrite.fidelity import random_feeds
 from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError
 
@@ -53,7 +56,6 @@ __all__ = [
 ModelLike = onnx.ModelProto | bytes
 FP32 = "fp32"
 FIX_SUFFIX = "+fix"
-RUNS_PER_TURN = 5
 
 
 # --------------------------------------------------------------------------- sessions and timing
@@ -118,19 +120,6 @@ class LatencyStats:
         return {**dataclasses.asdict(self), "fps": self.fps}
 
 
-def _round_robin_orders(names: Sequence[str], runs: int) -> Iterable[tuple[str, int]]:
-    """(variant, run count) turns: rounds of up to RUNS_PER_TURN runs each, order reversed every other round."""
-    done = 0
-    round_index = 0
-    while done < runs:
-        count = min(RUNS_PER_TURN, runs - done)
-        order = names if round_index % 2 == 0 else list(reversed(names))
-        for name in order:
-            yield name, count
-        done += count
-        round_index += 1
-
-
 def measure_latency(
     models: Mapping[str, ModelLike],
     feed: Mapping[str, np.ndarray],
@@ -138,31 +127,19 @@ def measure_latency(
     warmup: int = 20,
     runs: int = 100,
     min_seconds: float = 0.0,
+    turn_seconds: float = _timing.TURN_SECONDS,
 ) -> dict[str, LatencyStats]:
     """Latency of every model on ``feed``: ``warmup`` runs each, then interleaved timed runs each.
 
-    At least ``runs`` timed runs per model, more when needed to spend ``min_seconds`` on the
-    slowest one (sub-millisecond models need thousands of runs for a stable median on a shared VM).
+    At least ``runs`` timed runs per model, more when needed to spend ``min_seconds`` on each
+    (sub-millisecond models need thousands of runs for a stable median on a shared VM); turns and
+    settling runs as in :func:`kenosis_rewrite._timing.turn_plan`.
     """
     if runs < 1 or warmup < 0:
         raise ValueError(f"need runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
     sessions = {name: _session(name, model, threads) for name, model in models.items()}
-    feed = dict(feed)
-    slowest = 0.0
-    for name, session in sessions.items():
-        start = time.perf_counter()
-        for _ in range(max(1, warmup)):
-            _run(name, session, feed)
-        slowest = max(slowest, (time.perf_counter() - start) / max(1, warmup))
-    if min_seconds > 0 and slowest > 0:
-        runs = max(runs, int(min_seconds / slowest))
-    samples: dict[str, list[float]] = {name: [] for name in sessions}
-    for name, count in _round_robin_orders(list(sessions), runs):
-        session = sessions[name]
-        for _ in range(count):
-            start = time.perf_counter()
-            session.run(None, feed)
-            samples[name].append(time.perf_counter() - start)
+    samples = _timing.interleaved_samples(sessions, feed, warmup=warmup, runs=runs, min_seconds=min_seconds,
+                                          turn_seconds=turn_seconds)
     return {name: LatencyStats.from_seconds(times) for name, times in samples.items()}
 
 
@@ -618,7 +595,7 @@ def _speedups(results: Sequence[VariantResult]) -> None:
 def _environment() -> dict[str, str]:
     return {
         "onnxruntime": ort.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _timing.cpu_description(),
         "logical cpus": str(os.cpu_count()),
         "python": platform.python_version(),
     }

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite import bench, toy_models
+from kenosis_rewrite import _timing, bench, toy_models
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
 # --------------------------------------------------------------------------- fixtures
@@ -96,12 +96,21 @@ def test_fidelity_refuses_mismatched_inputs():
 # --------------------------------------------------------------------------- latency harness
 
 
-def test_round_robin_gives_every_variant_all_runs_and_alternates_order():
-    turns = list(bench._round_robin_orders(["a", "b", "c"], 12))
-    for name in "abc":
-        assert sum(count for turn, count in turns if turn == name) == 12
-    first_rounds = [turn for turn, _ in turns[:6]]
-    assert first_rounds == ["a", "b", "c", "c", "b", "a"]
+def test_turn_plan_gives_every_variant_its_runs_and_alternates_order():
+    plan = _timing.turn_plan({"a": 0.001, "b": 0.002, "c": 0.1}, {"a": 600, "b": 300, "c": 12},
+                             turn_seconds=0.2, settle_seconds=0.03)
+    for name, runs in {"a": 600, "b": 300, "c": 12}.items():
+        assert sum(turn.timed for turn in plan if turn.name == name) == runs
+    assert [turn.name for turn in plan[:6]] == ["a", "b", "c", "c", "b", "a"]
+    first = {turn.name: turn for turn in plan[:3]}
+    # a turn lasts ~turn_seconds of timed runs (at least 3) and starts with ~settle_seconds untimed
+    assert (first["a"].timed, first["b"].timed, first["c"].timed) == (200, 100, 3)
+    assert (first["a"].settle, first["b"].settle, first["c"].settle) == (30, 15, 1)
+
+
+def test_turn_plan_for_one_variant_needs_no_settling():
+    plan = _timing.turn_plan({"only": 0.01}, {"only": 50})
+    assert sum(turn.timed for turn in plan) == 50 and all(turn.settle == 0 for turn in plan)
 
 
 def test_measure_latency_stats_are_sane(toy_models_by_name):
@@ -129,9 +138,9 @@ def test_measure_latency_interleaves_all_variants(monkeypatch, toy_models_by_nam
 
     monkeypatch.setattr(bench, "_session", lambda name, model, threads: Recording(name, real_session(name, model, threads)))
     feed = toy_models.random_feeds(toy_models_by_name["a"], 1)[0]
-    bench.measure_latency(toy_models_by_name, feed, warmup=3, runs=20)
+    bench.measure_latency(toy_models_by_name, feed, warmup=3, runs=20, turn_seconds=0.0)  # 3 runs a turn
     timed = calls[3 * 3:]
-    assert sorted(set(timed)) == ["a", "b", "c"] and all(timed.count(n) == 20 for n in "abc")
+    assert sorted(set(timed)) == ["a", "b", "c"] and all(timed.count(n) >= 20 for n in "abc")
     switches = sum(1 for before, after in zip(timed, timed[1:]) if before != after)
     assert switches >= 8  # several rounds, not three sequential blocks
 
@@ -302,7 +311,7 @@ def test_run_bench_on_a_real_model_uses_real_photos(tmp_path_factory):
 def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
     import onnx
 
-    from kenosis_rewrite import bench, toy_models
+    from kenosis_rewrite import _timing, bench, toy_models
 
     monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "toy.onnx"
@@ -317,7 +326,7 @@ def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
 
 
 def test_min_seconds_adds_runs_for_fast_models():
-    from kenosis_rewrite import bench, toy_models
+    from kenosis_rewrite import _timing, bench, toy_models
 
     model = toy_models.build("conv_relu")
     feed = toy_models.random_feeds(model, 1)[0]

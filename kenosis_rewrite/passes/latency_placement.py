@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,13 +65,7 @@ class PlacementResult:
 
 
 def _machine_signature(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}|{os.cpu_count()}|ort {ort.__version__}|threads {threads}"
+    return f"{_timing.cpu_description()}|{os.cpu_count()}|ort {ort.__version__}|threads {threads}"
 
 
 def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
@@ -130,7 +123,7 @@ class _Search:
         """(current ms, candidate ms), interleaved in this process."""
         self.trials += 1
         sessions = {"current": _timing.session(current, self.threads), "candidate": _timing.session(candidate, self.threads)}
-        medians = _timing.interleaved_medians(sessions, self.feed, rounds=10, per_round=5, warmup=3)
+        medians = _timing.interleaved_medians(sessions, self.feed, warmup=3, seconds=0.3, runs=20)
         return medians["current"] * 1e3, medians["candidate"] * 1e3
 
     def estimates(self, float_variant: bytes) -> dict[str, float]:
