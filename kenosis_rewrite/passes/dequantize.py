@@ -153,7 +153,9 @@ def to_float(node: ir.Node, graph: ir.Graph, float_nodes: set[int]) -> int:
         quantize = dq.inputs[0].producer()
         source = quantize.inputs[0].producer()
         dequantizers = _qdq.dequantize_consumers(quantize.outputs[0]) or []
-        if _is_float_side(source, float_nodes) and _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)):
+        # no producer: a graph input (or constant), float by nature; its Q exists only for integer users
+        source_is_float = source is None or _is_float_side(source, float_nodes)
+        if source_is_float and _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)):
             removed += int(remove_qdq_pair(quantize))
     return removed
 

@@ -5,6 +5,9 @@ x86 ORT CPU a PP-LCNet classifier runs *slower* quantized than in FP32, because 
 integer kernel (every activation becomes a DQ -> HardSigmoid -> Mul -> Q float island) while
 depthwise convolutions gain little from int8. This pass measures instead of assuming:
 
+0. First of all, run the HardSwish islands on integer kernels (:mod:`kenosis_rewrite.rules.hardswish`,
+   approximate by less than half an output step) if that alone measures faster; every candidate
+   after that has the HardSwish islands left next to integer layers on integer kernels too.
 1. Profile the model as it is (integer) and fully dequantized (float), and attribute kernel time
    to each Conv/MatMul/Gemm: its integer kernel plus the Q/DQ and float-island kernels around it,
    against its float kernel (:mod:`kenosis_rewrite.profiler`).
@@ -15,12 +18,10 @@ depthwise convolutions gain little from int8. This pass measures instead of assu
 4. Refine greedily while the time budget lasts: toggle single layers, most uncertain first, each
    kept only when measured faster by more than ``min_gain``.
 5. Compare with the fully float model; never return anything slower than the input.
-6. Run the HardSwish islands left between integer layers on integer kernels
-   (:mod:`kenosis_rewrite.rules.hardswish`, approximate by about one output step), if faster.
 
 Returning a layer to float (:mod:`kenosis_rewrite.passes.dequantize`) dequantizes its weights and
 removes the Q/DQ pairs that only connected it to float neighbours: quantization steps only go away.
-Stage 6 is the one approximate choice; the report says when it was taken.
+Stage 0 is the one approximate choice; the report says when it was taken.
 Decisions are cached under a hash of the model and the machine, and reported with their gains.
 """
 
@@ -89,12 +90,15 @@ def _with_integer_hardswish(model: ir.Model, report: FixReport | None = None) ->
     return count
 
 
-def _variant(base: bytes, float_layers: list[str]) -> bytes:
+def _variant(base: bytes, float_layers: list[str], integer_hardswish: bool = False) -> bytes:
     model = ir.serde.deserialize_model(_load_proto(base))
     if float_layers == [ALL_FLOAT]:
         DequantizeAllPass()(model)
-    elif float_layers:
+        return _serialize(model)
+    if float_layers:
         FloatRegionsPass(float_layers)(model)
+    if integer_hardswish:  # after the float regions: only islands still next to integer layers
+        _with_integer_hardswish(model)
     return _serialize(model)
 
 
@@ -113,6 +117,7 @@ class _Search:
         self.deadline = time.monotonic() + 0.8 * budget_s
         self.min_gain = min_gain
         self.trials = 0
+        self.integer_hardswish = False
         graph = _load_proto(base).graph
         self.layer_order = [n.name for n in graph.node if n.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm")]
 
@@ -128,7 +133,7 @@ class _Search:
 
     def estimates(self, float_variant: bytes) -> dict[str, float]:
         """Estimated microseconds saved by running each heavy op float."""
-        integer = profiler.profile(_load_proto(self.base), self.feed, runs=10, warmup=3, threads=self.threads)
+        integer = profiler.profile(_load_proto(self.best), self.feed, runs=10, warmup=3, threads=self.threads)
         floating = profiler.profile(_load_proto(float_variant), self.feed, runs=10, warmup=3, threads=self.threads)
         gains = {}
         for name, layer in integer.layers.items():
@@ -142,29 +147,33 @@ class _Search:
         """Measure ``layers`` in float against the best so far; keep it when clearly faster."""
         if self.out_of_time() or sorted(layers) == sorted(self.best_layers):
             return
-        candidate = _variant(self.base, layers)
+        candidate = _variant(self.base, layers, self.integer_hardswish)
         current_ms, candidate_ms = self.compare(self.best, candidate)
         self.base_ms = self.base_ms if self.base_ms is not None else current_ms
         if candidate_ms < current_ms * (1 - self.min_gain):
             self.best, self.best_layers = candidate, list(layers)
 
-    def _integer_hardswish_wins(self, best_layers: list[str], best_model: bytes, best_ms: float) -> tuple[bool, float]:
-        """Stage 6: the chosen placement with the HardSwish islands still between a DQ and a Q (next
-        to integer layers) on integer kernels (approximate), kept only when measured faster."""
-        model = ir.serde.deserialize_model(_load_proto(best_model))
+    def _integer_hardswish_wins(self) -> bool:
+        """Stage 0: are the HardSwish islands faster on integer kernels (approximate) in this model?"""
+        model = ir.serde.deserialize_model(_load_proto(self.base))
         if not _with_integer_hardswish(model):
-            return False, best_ms
-        current_ms, candidate_ms = self.compare(best_model, _serialize(model))
+            return False  # no HardSwish island to rewrite
+        candidate = _serialize(model)
+        current_ms, candidate_ms = self.compare(self.base, candidate)
+        self.base_ms = current_ms
         if candidate_ms < current_ms * (1 - self.min_gain):
-            return True, candidate_ms
-        return False, best_ms
+            self.best = candidate
+            return True
+        return False
 
     def run(self) -> PlacementResult:
         start = time.monotonic()
         float_variant = _variant(self.base, [ALL_FLOAT])
+        self.best, self.best_layers, self.base_ms = self.base, [], None
+        # 0. HardSwish islands on integer kernels; every later candidate keeps that choice
+        self.integer_hardswish = self._integer_hardswish_wins()
         gains = self.estimates(float_variant)
         order = [n for n in self.layer_order if n in gains]
-        self.best, self.best_layers, self.base_ms = self.base, [], None
         # 1. every layer the profiles say is faster in float, together
         self._try(sorted((n for n in gains if gains[n] > 0), key=lambda n: -gains[n]))
         # 2. float prefixes: early layers (large maps, few channels) float, late ones integer;
@@ -180,18 +189,16 @@ class _Search:
                 self._try(self.best_layers + [name])
         # 4. the whole model in float; and never anything slower than the input
         best_ms, float_ms = self.compare(self.best, float_variant)
-        best_layers = self.best_layers
-        if float_ms < best_ms * (1 - self.min_gain):
-            best_layers, best_ms = [ALL_FLOAT], float_ms
+        best_layers, integer_hardswish = self.best_layers, self.integer_hardswish
+        if gains and set(gains) <= set(best_layers):  # every integer layer float: say so, and drop stray Q/DQ
+            best_layers, best_ms, integer_hardswish = [ALL_FLOAT], min(best_ms, float_ms), False
+        elif float_ms < best_ms * (1 - self.min_gain):
+            best_layers, best_ms, integer_hardswish = [ALL_FLOAT], float_ms, False
         base_ms = self.base_ms if self.base_ms is not None else best_ms
-        if best_layers and best_layers != [ALL_FLOAT]:
+        if best_layers != [ALL_FLOAT] and (best_layers or integer_hardswish):
             base_ms, best_ms = self.compare(self.base, self.best)
             if best_ms >= base_ms:
-                best_layers, best_ms = [], base_ms
-        integer_hardswish = False
-        if best_layers != [ALL_FLOAT]:
-            best_model = self.best if best_layers else self.base
-            integer_hardswish, best_ms = self._integer_hardswish_wins(best_layers, best_model, best_ms)
+                best_layers, best_ms, integer_hardswish = [], base_ms, False
         return PlacementResult(best_layers, base_ms, best_ms, float_ms, self.trials, time.monotonic() - start,
                                integer_hardswish=integer_hardswish)
 

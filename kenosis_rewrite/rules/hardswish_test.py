@@ -28,10 +28,10 @@ def test_quantized_hardswish_runs_on_qlinear_kernels_within_about_one_step():
     out, report, count = _apply(fixed)
     assert count == 1 and [c.rule for c in report.changes] == [RULE_NAME]
     optimized = _testing.ort_optimized_op_types(out)
-    assert "HardSigmoid" not in optimized and optimized["QLinearMul"] == 2 and optimized["QLinearAdd"] == 1
+    assert "HardSigmoid" not in optimized and optimized["QLinearMul"] == 1 and optimized["QLinearAdd"] == 1
     scores = fidelity.compare_to_float(float_model, {"island": fixed, "integer": out}, feeds[4:])
     assert scores["integer"]["cosine"] > 0.999
-    assert scores["integer"]["sqnr_db"] >= scores["island"]["sqnr_db"] - 1.5  # about one output step more
+    assert scores["integer"]["sqnr_db"] >= scores["island"]["sqnr_db"] - 0.5  # under half an output step more
 
 
 def test_int8_activations_are_refused_with_reason():
