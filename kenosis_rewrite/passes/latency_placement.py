@@ -187,16 +187,17 @@ class _Search:
                 self._try([n for n in self.best_layers if n != name])
             else:
                 self._try(self.best_layers + [name])
-        # 4. the whole model in float; and never anything slower than the input
+        # 4. the whole model in float (also when every integer layer went float one by one: the
+        #    full dequantization drops the stray Q/DQ pairs too), if not slower
         best_ms, float_ms = self.compare(self.best, float_variant)
-        best_layers, integer_hardswish = self.best_layers, self.integer_hardswish
-        if gains and set(gains) <= set(best_layers):  # every integer layer float: say so, and drop stray Q/DQ
-            best_layers, best_ms, integer_hardswish = [ALL_FLOAT], min(best_ms, float_ms), False
-        elif float_ms < best_ms * (1 - self.min_gain):
-            best_layers, best_ms, integer_hardswish = [ALL_FLOAT], float_ms, False
+        best_layers, best_model, integer_hardswish = self.best_layers, self.best, self.integer_hardswish
+        covers_all = bool(gains) and set(gains) <= set(best_layers)
+        if float_ms < best_ms * (1 - self.min_gain) or (covers_all and float_ms <= best_ms):
+            best_layers, best_model, best_ms, integer_hardswish = [ALL_FLOAT], float_variant, float_ms, False
+        # 5. never anything slower than the input, checked once more head to head
         base_ms = self.base_ms if self.base_ms is not None else best_ms
-        if best_layers != [ALL_FLOAT] and (best_layers or integer_hardswish):
-            base_ms, best_ms = self.compare(self.base, self.best)
+        if best_layers or integer_hardswish:
+            base_ms, best_ms = self.compare(self.base, best_model)
             if best_ms >= base_ms:
                 best_layers, best_ms, integer_hardswish = [], base_ms, False
         return PlacementResult(best_layers, base_ms, best_ms, float_ms, self.trials, time.monotonic() - start,
