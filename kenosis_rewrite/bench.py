@@ -55,6 +55,7 @@ __all__ = [
 
 ModelLike = onnx.ModelProto | bytes
 FP32 = "fp32"
+UNSTEADY_DRIFT = 0.05  # halves of a variant's runs further apart than this: the machine was not steady
 FIX_SUFFIX = "+fix"
 
 
@@ -105,6 +106,9 @@ class LatencyStats:
     mean_ms: float
     min_ms: float
     runs: int
+    # |median of the first half of the runs - median of the second half| / median: a machine that
+    # got busier (or quieter) during the measurement shows here, so a report can say so
+    drift: float = 0.0
 
     @property
     def fps(self) -> float:
@@ -114,7 +118,10 @@ class LatencyStats:
     @classmethod
     def from_seconds(cls, samples: Sequence[float]) -> LatencyStats:
         ms = np.asarray(samples, dtype=np.float64) * 1000.0
-        return cls(float(np.median(ms)), float(np.percentile(ms, 90)), float(ms.mean()), float(ms.min()), len(ms))
+        median = float(np.median(ms))
+        half = len(ms) // 2
+        drift = abs(float(np.median(ms[:half])) - float(np.median(ms[half:]))) / median if half and median > 0 else 0.0
+        return cls(median, float(np.percentile(ms, 90)), float(ms.mean()), float(ms.min()), len(ms), drift)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "fps": self.fps}
@@ -369,8 +376,19 @@ class BenchResult:
         return (f"{self.threads} thread(s), {self.warmup} warm-up + at least {self.runs} interleaved runs per variant (3 s of runs for fast models); "
                 f"fidelity vs FP32 on {self.feeds}. {env}")
 
+    def stability_note(self) -> str:
+        """One sentence on how steady the machine was while timing (see :attr:`LatencyStats.drift`)."""
+        drifts = {v.name: v.latency.drift for v in self.variants if v.latency is not None}
+        if not drifts:
+            return ""
+        name = max(drifts, key=drifts.get)
+        text = f"Stability: the first and second half of each variant's runs agree within {drifts[name]:.1%} ({name})."
+        if drifts[name] > UNSTEADY_DRIFT:
+            text += " The machine's speed changed while timing: re-run on an idle machine before comparing runs."
+        return text
+
     def to_markdown(self) -> str:
-        lines = [f"### {self.model}", "", self._setup_line(), "",
+        lines = [f"### {self.model}", "", self._setup_line(), "", self.stability_note(), "",
                  "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
         lines += ["| " + " | ".join(_row(v)) + " |" for v in self.variants if v.error is None]
         failed = [v for v in self.variants if v.error is not None]
@@ -397,7 +415,7 @@ class BenchResult:
         return (
             "<!DOCTYPE html><html><head><meta charset='utf-8'>"
             f"<title>{title}</title><style>{_CSS}</style></head><body>"
-            f"<h1>{title}</h1><p>{html.escape(self._setup_line())}</p>"
+            f"<h1>{title}</h1><p>{html.escape(self._setup_line())}</p><p>{html.escape(self.stability_note())}</p>"
             f"<h2>Median latency (ms, lower is better)</h2>{_latency_svg(self.variants)}"
             f"<h2>Latency and fidelity</h2>{table}"
             + (f"<h2>Failed variants</h2><ul>{failed}</ul>" if failed else "")

@@ -203,6 +203,27 @@ def test_markdown_report(toy_result):
     assert f"{toy_result.variant('u8s8').latency.median_ms:.3f}" in text
 
 
+def test_drift_compares_the_two_halves_of_the_runs():
+    steady = bench.LatencyStats.from_seconds([0.010] * 10)
+    slowed = bench.LatencyStats.from_seconds([0.010] * 5 + [0.012] * 5)
+    assert steady.drift == 0.0
+    assert slowed.drift == pytest.approx(0.002 / float(np.median([0.010] * 5 + [0.012] * 5)))
+
+
+def test_stability_note_warns_when_the_machine_changed_speed(toy_result):
+    assert "Stability:" in toy_result.to_markdown() and "Stability:" in toy_result.to_html()
+    variant = toy_result.variants[0]
+    steady_note = toy_result.stability_note()
+    original = variant.latency
+    try:
+        variant.latency = bench.LatencyStats.from_seconds([0.010] * 5 + [0.013] * 5)
+        note = toy_result.stability_note()
+        assert f"({variant.name})" in note and "re-run on an idle machine" in note
+    finally:
+        variant.latency = original
+    assert toy_result.stability_note() == steady_note
+
+
 def test_json_report_round_trips(toy_result):
     data = json.loads(toy_result.to_json())
     assert data["runs"] == 6 and data["threads"] == 1
