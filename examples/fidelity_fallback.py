@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     reference = _outputs(float_model, evaluation)
     print(f"timing ({args.runs} interleaved runs each) ...", file=sys.stderr)
-    latency = bench.measure_latency(models, evaluation[0], threads=1, warmup=20, runs=args.runs)
+    latency = bench.measure_latency(models, evaluation[0], threads=1, warmup=20, runs=args.runs, min_seconds=3)
     fixed_ms = latency["quantize_static + fix()"].median_ms
     print(f"\n{MODEL}: {len(evaluation)} held-out real inputs (6 photos x 4 rotations x mirror)\n")
     print("| variant | top-1 agreement | cosine (logits) | median ms | x FP32 | cost vs fixed |")

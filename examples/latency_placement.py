@@ -25,7 +25,8 @@ def main(names: list[str]) -> int:
         start = time.monotonic()
         placed, report = kenosis_rewrite.fix(quantized, optimize_for="latency", calibration=feeds[:1], return_report=True)
         seconds = time.monotonic() - start
-        latency = bench.measure_latency({"fp32": float_model, "fix": fixed, "latency": placed}, feeds[6], runs=100)
+        latency = bench.measure_latency({"fp32": float_model, "fix": fixed, "latency": placed}, feeds[6], runs=100,
+                                        min_seconds=3)
         note = next(n for n in report.notes if n.startswith("latency placement"))
         decision = note.split(";")[0].removeprefix("latency placement: ")
         fp32, fix_ms, placed_ms = (latency[k].median_ms for k in ("fp32", "fix", "latency"))

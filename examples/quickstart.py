@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     models = {"FP32": float_model, "quantize_static": quantized, "quantize_static + fix()": fixed}
     print(f"\nmeasuring latency ({args.runs} interleaved runs each, 1 thread) ...", file=sys.stderr)
-    latency = bench.measure_latency(models, evaluation[0], threads=1, warmup=20, runs=args.runs)
+    latency = bench.measure_latency(models, evaluation[0], threads=1, warmup=20, runs=args.runs, min_seconds=3)
     reference = _outputs(float_model, evaluation)
     print(f"\n== {args.model}: {spec.structure} ==")
     print("| model | median ms | vs FP32 | cosine vs FP32 | top-1 agreement |")
