@@ -80,13 +80,53 @@ def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value) -> Non
     identity.outputs[0].type, identity.outputs[0].shape = value_type, shape
 
 
+_NON_NEGATIVE_OPS = frozenset({"Relu", "Sigmoid", "HardSigmoid", "Softmax", "Abs", "Exp"})
+_VALUE_PRESERVING_OPS = frozenset(
+    {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose",
+     "Identity", "Squeeze", "Unsqueeze", "Resize", "ReduceMean", "ReduceMax"}
+)
+
+
+def _non_negative(value: ir.Value | None, depth: int = 8) -> bool:
+    """True when ``value`` cannot be negative whatever the input (so a clamp at 0 does nothing)."""
+    if value is None or depth == 0:
+        return False
+    constant = _qdq.const_array(value)
+    if constant is not None:
+        return bool(np.all(constant >= 0))
+    node = value.producer()
+    if node is None:  # a graph input
+        return False
+    if node.op_type in _NON_NEGATIVE_OPS:
+        return True
+    if node.op_type == "Clip":
+        low_attribute = node.attributes.get("min")  # opset < 11
+        if low_attribute is not None:
+            return low_attribute.as_float() >= 0
+        low = _qdq.const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        return low is not None and float(np.min(low)) >= 0
+    if node.op_type in _VALUE_PRESERVING_OPS:
+        return _non_negative(node.inputs[0], depth - 1)
+    if node.op_type in ("Mul", "Add"):
+        return all(_non_negative(input_, depth - 1) for input_ in node.inputs)
+    if node.op_type == "Max":
+        return any(_non_negative(input_, depth - 1) for input_ in node.inputs)
+    if node.op_type == "DequantizeLinear":
+        params = _qdq.quant_params(node)
+        return params is not None and params.is_per_tensor and params.scalar_zero_point == params.qmin
+    return False
+
+
 def _implied_activation(quantize: ir.Node, params: _qdq.QuantParams) -> ir.Node | None:
     """A Clip(0, top) standing in for the Relu/Clip(0, M) the quantizer removed, if it may have.
 
     quantize_static deletes a Relu or Clip(0, M) in front of a Q whose zero point is qmin: the Q's
-    own clamp does the work. Without the Q, the activation must come back.
+    own clamp does the work. Without the Q, the activation must come back. Not when the Q's input
+    cannot be negative (HardSigmoid, Softmax, a pooled Relu, ...): then nothing was removed, and
+    the clamp at the calibrated maximum is a quantization artifact the float model does not have
+    (and a Clip node more on the float path; 12 of them on a MobileNetV3).
     """
-    if params.scalar_zero_point != params.qmin:
+    if params.scalar_zero_point != params.qmin or _non_negative(quantize.inputs[0]):
         return None
     graph = quantize.graph
     top = params.scalar_scale * (params.qmax - params.qmin)

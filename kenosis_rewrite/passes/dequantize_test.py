@@ -68,3 +68,47 @@ def test_pairs_feeding_integer_kernels_stay():
     held_out = toy_models.random_feeds(float_model, 30)[6:]
     scores = fidelity.compare_to_float(float_model, {"qdq": fixed, "region": out}, held_out)
     assert scores["region"]["sqnr_db"] >= scores["qdq"]["sqnr_db"] - 0.5  # one rounding fewer: no loss on average
+
+
+def _conv_hardsigmoid_qdq() -> onnx.ModelProto:
+    """x -> Q/DQ -> Conv -> Q/DQ (zp 0: a Relu folded away) -> HardSigmoid -> Q/DQ (zp 0) -> y."""
+    from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    weight = rng.integers(-127, 128, size=(4, 3, 3, 3), dtype=np.int8)
+    inits = [
+        numpy_helper.from_array(weight, "w_q"), numpy_helper.from_array(np.float32(0.01), "w_s"),
+        numpy_helper.from_array(np.int8(0), "w_z"),
+        numpy_helper.from_array(np.float32(4 / 255), "a_s"), numpy_helper.from_array(np.uint8(0), "a_z"),
+        numpy_helper.from_array(np.float32(1 / 255), "h_s"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "a_s", "a_z"], ["x_q"]),
+        helper.make_node("DequantizeLinear", ["x_q", "a_s", "a_z"], ["x_dq"]),
+        helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w"]),
+        helper.make_node("Conv", ["x_dq", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("QuantizeLinear", ["c", "a_s", "a_z"], ["c_q"]),
+        helper.make_node("DequantizeLinear", ["c_q", "a_s", "a_z"], ["c_dq"]),
+        helper.make_node("HardSigmoid", ["c_dq"], ["h"], name="hardsigmoid"),
+        helper.make_node("QuantizeLinear", ["h", "h_s", "a_z"], ["h_q"]),
+        helper.make_node("DequantizeLinear", ["h_q", "h_s", "a_z"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_clamps_come_back_only_where_a_negative_value_could_pass():
+    import numpy as np  # noqa: PLC0415
+    import onnxruntime as ort  # noqa: PLC0415
+
+    qdq = _conv_hardsigmoid_qdq()
+    out = _run(qdq, DequantizeAllPass())
+    clipped = {node.input[0] for node in out.graph.node if node.op_type == "Clip"}
+    # the Conv's Q (zp = qmin) may stand for a removed Relu, and the graph input may be negative;
+    # the HardSigmoid's output is never negative: its Q clamped nothing but the calibrated top
+    assert clipped == {"x", "c"}
+    feed = {"x": np.random.default_rng(1).uniform(-1, 4, size=(1, 3, 8, 8)).astype(np.float32)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(run(out), run(qdq), atol=3 / 255)  # only the removed roundings differ
