@@ -143,25 +143,26 @@ class _Search:
             gains[name] = layer.total_us - (other.total_us if other is not None else 0.0)
         return gains
 
-    def _try(self, layers: list[str]) -> None:
+    def _try(self, layers: list[str], min_gain: float | None = None) -> None:
         """Measure ``layers`` in float against the best so far; keep it when clearly faster."""
         if self.out_of_time() or sorted(layers) == sorted(self.best_layers):
             return
         candidate = _variant(self.base, layers, self.integer_hardswish)
-        if self._faster(candidate):
+        if self._faster(candidate, self.min_gain if min_gain is None else min_gain):
             self.best, self.best_layers = candidate, list(layers)
 
-    def _faster(self, candidate: bytes) -> bool:
+    def _faster(self, candidate: bytes, min_gain: float | None = None) -> bool:
         """Is ``candidate`` faster than the best so far by ``min_gain``, in two A/B measurements?
 
         One interleaved comparison on a shared machine wrongly says "faster" often enough that
         a greedy search collects scattered float layers (each adding layout changes); a second,
         independent comparison is run only for apparent wins, so it costs few trials.
         """
+        min_gain = self.min_gain if min_gain is None else min_gain
         for _ in range(2):
             current_ms, candidate_ms = self.compare(self.best, candidate)
             self.base_ms = self.base_ms if self.base_ms is not None else current_ms
-            if candidate_ms >= current_ms * (1 - self.min_gain):
+            if candidate_ms >= current_ms * (1 - min_gain):
                 return False
         return True
 
@@ -191,12 +192,14 @@ class _Search:
         steps = 8
         for index in range(1, steps):
             self._try(order[: round(len(order) * index / steps)])
-        # 3. toggle single layers, the least certain estimates first
+        # 3. toggle single layers, the least certain estimates first; one layer moves the total by
+        #    a few percent at most, so a toggle must win by twice the margin (noise would otherwise
+        #    scatter float layers, each adding layout changes)
         for name in sorted(gains, key=lambda n: abs(gains[n])):
             if name in self.best_layers:
-                self._try([n for n in self.best_layers if n != name])
+                self._try([n for n in self.best_layers if n != name], 2 * self.min_gain)
             else:
-                self._try(self.best_layers + [name])
+                self._try(self.best_layers + [name], 2 * self.min_gain)
         # 4. the whole model in float (also when every integer layer went float one by one: the
         #    full dequantization drops the stray Q/DQ pairs too), if not slower
         best_ms, float_ms = self.compare(self.best, float_variant)
