@@ -9,7 +9,10 @@ Rules the harness follows so that numbers from one run can be compared with each
   neighbours hits every variant alike; each turn starts with ~30 ms of untimed runs, because the
   first runs after a session switch are up to 15% slower (caches full of the other model) and
   made medians of short turns swing by 20-40% between identical runs;
-* median, p90 and FPS per variant; speedup against FP32 and against the unfixed model.
+* median, p90 and FPS per variant; speedup against FP32 and against the unfixed model;
+* a stability check: the medians of the first and second half of each variant's runs; when they
+  differ by more than 5% the machine changed speed while timing, the whole measurement is repeated
+  (``retries``) and the steadiest kept, and the report says how steady it was.
 
     result = run_bench("zoo:mtcnn_onet", configs=("default", "u8s8"))
     print(result.to_markdown())
