@@ -168,9 +168,12 @@ def _feeds_only(dequantizers: Iterable[ir.Node], allowed) -> bool:
 
 
 def _is_float_side(node: ir.Node | None, float_nodes: set[int]) -> bool:
-    """True when ``node`` runs float anyway: returned to float, or no integer kernel for it."""
+    """True when ``node`` runs float anyway: returned to float, or no integer kernel for it.
+
+    ``None`` (no producer: a graph input or a constant) is float by nature.
+    """
     if node is None:
-        return False
+        return True
     return id(node) in float_nodes or node.op_type not in INTEGER_CAPABLE_OPS
 
 
@@ -193,9 +196,7 @@ def to_float(node: ir.Node, graph: ir.Graph, float_nodes: set[int]) -> int:
         quantize = dq.inputs[0].producer()
         source = quantize.inputs[0].producer()
         dequantizers = _qdq.dequantize_consumers(quantize.outputs[0]) or []
-        # no producer: a graph input (or constant), float by nature; its Q exists only for integer users
-        source_is_float = source is None or _is_float_side(source, float_nodes)
-        if source_is_float and _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)):
+        if _is_float_side(source, float_nodes) and _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)):
             removed += int(remove_qdq_pair(quantize))
     return removed
 
@@ -219,10 +220,10 @@ def _float_source_readable(quantize: ir.Node | None, float_nodes: set[int]) -> b
     if not _qdq.is_quantize(quantize):
         return False
     source = quantize.inputs[0].producer()
-    if source is None or id(source) in float_nodes:
-        return True  # a graph input, or a layer returned to float
+    if _qdq.is_dequantize(source):
+        return False  # a requantization chain: no float value of its own to read
     # the float output of an integer Conv/MatMul does not exist in ORT's fused graph
-    return source.op_type not in _qdq.WEIGHTED_OPS and not _qdq.is_dequantize(source)
+    return _is_float_side(source, float_nodes) or source.op_type not in _qdq.WEIGHTED_OPS
 
 
 def _keep_float_for_ort(node: ir.Node, original_inputs: list[ir.Value | None], float_nodes: set[int]) -> str:
