@@ -97,8 +97,13 @@ class QuantParams:
 
 def _quantized_dtype(node: ir.Node) -> ir.DataType | None:
     zp = node.inputs[2] if len(node.inputs) > 2 else None
-    if zp is not None and zp.dtype is not None:
-        return zp.dtype
+    if zp is not None:
+        if zp.dtype is not None:
+            return zp.dtype
+        # A Constant node's output carries no type in onnx-ir: the tensor it holds does.
+        tensor = ir.convenience.get_const_tensor(zp)
+        if tensor is not None:
+            return tensor.dtype
     if is_quantize(node):
         output_dtype = node.attributes.get_int("output_dtype", 0)
         if output_dtype:

@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite import _io, _qdq
+from kenosis_rewrite import _io, _qdq, value_range
 from kenosis_rewrite.errors import RuntimeMeasurementError
 
 __all__ = ["FusionReport", "HeavyOp", "FloatIsland", "explain", "INTEGER_KERNELS"]
@@ -707,25 +707,11 @@ def _check_activation(activation: ir.Node | None, out_q: ir.Node | None, y_p) ->
         if zp != y_p.qmin:
             return [_Reason(R_ZP_NOT_QMIN, rule, f"Relu -> Q with zero point {zp}, ORT drops Relu only at {y_p.qmin}")]
         return []
-    lo, hi = _clip_bounds(activation)
-    lo_ok = lo is None or np.rint(lo / scale) + zp <= y_p.qmin
-    hi_ok = hi is None or np.rint(hi / scale) + zp >= y_p.qmax
-    if lo_ok and hi_ok:
+    if value_range.absorbed_by_quantizer(activation, y_p):
         return []
     return [_Reason(R_ZP_NOT_QMIN, rule,
-                    f"Clip({lo}, {hi}) -> Q(s={scale:.6g}, zp={zp}) is not redundant: ORT drops Clip only when "
-                    "the Q range lies inside the Clip bounds")]
-
-
-def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None]:
-    bounds = []
-    for index, attr in ((1, "min"), (2, "max")):
-        array = _qdq.const_array(_input(clip, index))
-        if array is None and attr in clip.attributes:
-            bounds.append(clip.attributes.get_float(attr))
-        else:
-            bounds.append(None if array is None else float(array.reshape(-1)[0]))
-    return bounds[0], bounds[1]
+                    f"{activation.op_type}{value_range.activation_bounds(activation)} -> Q(s={scale:.6g}, zp={zp}) is not "
+                    "redundant: ORT drops Clip only when the Q range lies inside the Clip bounds")]
 
 
 def _check_dtype(x_eff, y_eff, x_p, y_p) -> list[_Reason]:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite import _qdq
-from kenosis_rewrite.passes.dequantize import remove_qdq_pair
+from kenosis_rewrite import _qdq, value_range
+from kenosis_rewrite.passes.dequantize import IMPLIED, remove_qdq_pair
 from kenosis_rewrite.report import FixReport
 
 OUTPUT_RULE = "protect-model-outputs"
@@ -26,11 +26,36 @@ METADATA_RULE = "protect-metadata-inputs"
 
 
 class OutputProtectionPass(ir.passes.InPlacePass):
-    """Graph outputs leave in float: the Q/DQ pair in front of each is removed."""
+    """Graph outputs leave in float: the Q/DQ pair in front of each is removed.
 
-    def __init__(self, report: FixReport | None = None):
+    The removed Q may have stood for a Relu/Clip that quantize_static deleted (its clamp did the
+    work). With ``float_graph`` (the FP32 graph the model was quantized from) the pass knows: when
+    the float graph computes the output's tensor with a Relu/Clip that the quantized graph no longer
+    has, that activation comes back with its own bounds; when it has none, nothing is added. Without
+    it, the clamp the graph proves comes back (:func:`passes.dequantize.remove_qdq_pair`).
+    """
+
+    def __init__(self, report: FixReport | None = None, float_graph: ir.Graph | None = None):
         super().__init__()
         self.report = report
+        self.float_values = _values_by_name(float_graph) if float_graph is not None else None
+
+    def _clamp(self, quantize: ir.Node, output_name: str | None):
+        """What to put back for the removed Q: the float graph's activation, nothing, or IMPLIED."""
+        if self.float_values is None:
+            return IMPLIED
+        # quantize_static renames the producer of a graph output; the output keeps the float name
+        name = output_name if output_name in self.float_values else quantize.inputs[0].name
+        if name not in self.float_values:
+            return IMPLIED
+        float_node = self.float_values[name].producer()
+        if float_node is None or float_node.op_type not in ("Relu", "Clip"):
+            return None  # the float graph has no activation here: nothing was removed
+        producer = quantize.inputs[0].producer()
+        if producer is not None and producer.op_type == float_node.op_type:
+            return None  # the activation is still there
+        bounds = value_range.activation_bounds(float_node)
+        return IMPLIED if isinstance(bounds, str) else bounds
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
@@ -40,7 +65,7 @@ class OutputProtectionPass(ir.passes.InPlacePass):
                 continue
             quantize = dq.inputs[0].producer()
             name = output.name
-            if remove_qdq_pair(quantize):
+            if remove_qdq_pair(quantize, self._clamp(quantize, name)):
                 modified = True
                 if self.report is not None:
                     self.report.changed(OUTPUT_RULE, name or "output", "graph output computed in float", exact=False)
@@ -49,6 +74,15 @@ class OutputProtectionPass(ir.passes.InPlacePass):
 
             RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """The values of a graph by name (graph inputs, initializers, node outputs)."""
+    values = {v.name: v for v in graph.inputs if v.name}
+    values.update(graph.initializers)
+    for node in graph:
+        values.update({v.name: v for v in node.outputs if v.name})
+    return values
 
 
 def metadata_nodes(model: onnx.ModelProto, metadata_inputs: set[str]) -> list[str]:

@@ -236,7 +236,7 @@ def quantize(
     model = ir.serde.deserialize_model(qdq)
     FixPass(target, report)(model)
     if protect_outputs:
-        OutputProtectionPass(report)(model)
+        OutputProtectionPass(report, float_graph=prepared.graph)(model)
     if snr_threshold_db is not None or target_cosine is not None:
         chosen, analysis, reasons = sensitivity.select_fp32_layers(
             proto, model, feeds, threshold_db=snr_threshold_db, target_cosine=target_cosine

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
 
 RULE_NAME = "return-to-float"
@@ -80,81 +80,55 @@ def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value) -> Non
     identity.outputs[0].type, identity.outputs[0].shape = value_type, shape
 
 
-_NON_NEGATIVE_OPS = frozenset({"Relu", "Sigmoid", "HardSigmoid", "Softmax", "Abs", "Exp"})
-_VALUE_PRESERVING_OPS = frozenset(
-    {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose",
-     "Identity", "Squeeze", "Unsqueeze", "Resize", "ReduceMean", "ReduceMax"}
-)
+def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str, before: ir.Node) -> ir.Node:
+    """``Relu(value)`` for ``(0, None)``, else ``Clip(value, lo, hi)``, inserted before ``before``."""
+    name = _qdq.unique_name(graph, f"{base}_clamp")
+    if lo == 0.0 and hi is None:
+        clamp = ir.Node("", "Relu", [value], name=name)
+    else:
+        bounds: list[ir.Value | None] = []
+        for bound, suffix in ((lo, "clip_min"), (hi, "clip_max")):
+            if bound is None:
+                bounds.append(None)
+                continue
+            bound_name = _qdq.unique_name(graph, f"{base}_{suffix}")
+            tensor = ir.tensor(np.asarray(bound, dtype=dtype), name=bound_name)
+            bounds.append(_qdq.add_initializer(graph, tensor, bound_name))
+        while bounds and bounds[-1] is None:
+            bounds.pop()
+        clamp = ir.Node("", "Clip", [value, *bounds], name=name)
+    clamp.outputs[0].name = _qdq.unique_name(graph, f"{base}_clamped")
+    graph.insert_before(before, clamp)
+    return clamp
 
 
-def _non_negative(value: ir.Value | None, depth: int = 8) -> bool:
-    """True when ``value`` cannot be negative whatever the input (so a clamp at 0 does nothing)."""
-    if value is None or depth == 0:
-        return False
-    constant = _qdq.const_array(value)
-    if constant is not None:
-        return bool(np.all(constant >= 0))
-    node = value.producer()
-    if node is None:  # a graph input
-        return False
-    if node.op_type in _NON_NEGATIVE_OPS:
-        return True
-    if node.op_type == "Clip":
-        low_attribute = node.attributes.get("min")  # opset < 11
-        if low_attribute is not None:
-            return low_attribute.as_float() >= 0
-        low = _qdq.const_array(node.inputs[1]) if len(node.inputs) > 1 else None
-        return low is not None and float(np.min(low)) >= 0
-    if node.op_type in _VALUE_PRESERVING_OPS:
-        return _non_negative(node.inputs[0], depth - 1)
-    if node.op_type in ("Mul", "Add"):
-        return all(_non_negative(input_, depth - 1) for input_ in node.inputs)
-    if node.op_type == "Max":
-        return any(_non_negative(input_, depth - 1) for input_ in node.inputs)
-    if node.op_type == "DequantizeLinear":
-        params = _qdq.quant_params(node)
-        return params is not None and params.is_per_tensor and params.scalar_zero_point == params.qmin
-    return False
+IMPLIED = "implied"
 
 
-def _implied_activation(quantize: ir.Node, params: _qdq.QuantParams) -> ir.Node | None:
-    """A Clip(0, top) standing in for the Relu/Clip(0, M) the quantizer removed, if it may have.
-
-    quantize_static deletes a Relu or Clip(0, M) in front of a Q whose zero point is qmin: the Q's
-    own clamp does the work. Without the Q, the activation must come back. Not when the Q's input
-    cannot be negative (HardSigmoid, Softmax, a pooled Relu, ...): then nothing was removed, and
-    the clamp at the calibrated maximum is a quantization artifact the float model does not have
-    (and a Clip node more on the float path; 12 of them on a MobileNetV3).
-    """
-    if params.scalar_zero_point != params.qmin or _non_negative(quantize.inputs[0]):
-        return None
-    graph = quantize.graph
-    top = params.scalar_scale * (params.qmax - params.qmin)
-    base = quantize.inputs[0].name or "activation"
-    bounds = []
-    for value, suffix in ((0.0, "clip_min"), (top, "clip_max")):
-        name = _qdq.unique_name(graph, f"{base}_{suffix}")
-        bounds.append(_qdq.add_initializer(graph, ir.tensor(np.asarray(value, dtype=params.scale.dtype), name=name), name))
-    clip = ir.Node("", "Clip", [quantize.inputs[0], *bounds], name=_qdq.unique_name(graph, f"{quantize.name or base}_clamp"))
-    clip.outputs[0].name = _qdq.unique_name(graph, f"{base}_clamped")
-    graph.insert_after(quantize, clip)
-    return clip
-
-
-def remove_qdq_pair(quantize: ir.Node) -> bool:
+def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] | str | None = IMPLIED) -> bool:
     """Let the DQ consumers of ``quantize`` read its float input directly; False if not possible.
 
-    Where the Q's clamp may stand for a removed Relu/Clip (zero point at qmin), a Clip(0, top of
-    range) takes its place. A DQ whose output is a graph output becomes an Identity of the float
-    input (names stay). Per-axis or non-constant activation parameters are left alone.
+    The Q's clamp may stand for an activation quantize_static deleted; the float value then needs
+    that clamp back. ``clamp`` says which: ``IMPLIED`` (default) takes what the graph proves
+    (:func:`value_range.implied_clamp`: ``Clip(0, top of range)`` after a deleted Relu/Clip(0, M),
+    or a bound that provably cuts reachable values), not when the Q's input cannot be negative
+    (HardSigmoid, Softmax, a pooled Relu: the clamp at the calibrated maximum is then a quantization
+    artifact the float model does not have); a ``(lo, hi)`` pair is a clamp the caller knows the Q
+    stood for (e.g. from the float model); None restores nothing. A DQ whose output is a graph
+    output becomes an Identity of the float input (names stay). Per-axis or non-constant
+    activation parameters are left alone.
     """
     output = quantize.outputs[0]
     dequantizers = _qdq.dequantize_consumers(output)
     params = _qdq.quant_params(quantize)
     if output.is_graph_output() or not dequantizers or params is None or not params.is_per_tensor:
         return False
-    clip = _implied_activation(quantize, params)
-    source = clip.outputs[0] if clip is not None else quantize.inputs[0]
+    if clamp == IMPLIED:
+        clamp = value_range.implied_clamp(quantize)
+    source = quantize.inputs[0]
+    if clamp is not None:
+        base = source.name or "activation"
+        source = insert_clamp(quantize.graph, source, *clamp, params.scale.dtype, base, quantize).outputs[0]
     for dq in dequantizers:
         if dq.outputs[0].is_graph_output():
             _forward_graph_output(quantize.graph, dq, source)

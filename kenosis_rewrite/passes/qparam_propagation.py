@@ -6,50 +6,48 @@ Transformation, for a pass-through op P (MaxPool, Reshape, Transpose, Flatten, S
     ==>
     DQ(s_in, z_in) -> P -> Q(s_in, z_in) -> DQ(s_in, z_in)
 
-Exactness: exact with respect to P's input. P only selects, reorders or reshapes values, so
-every value it outputs is a dequantized input value: a point of the grid ``s_in * (q - z_in)``
-inside the input's range. ``Q(s_in, z_in)`` represents each of them without rounding or
-clamping, so ``DQ(Q(P(DQ(x))))`` equals ``P(DQ(x))`` bit for bit; the old parameters could only
-round or clamp them. It matters for speed because ORT CPU removes the Q/DQ around a pass-through
-op (running it on the integer tensor) only when both sides have identical parameters; the
-activation rules change parameters upstream, and this pass keeps the chain aligned.
+Exactness: P only selects, reorders or reshapes values, so every value it outputs is a
+dequantized input value, a point of the grid ``s_in * (q - z_in)``. ``Q(s_in, z_in)`` represents
+each of them without rounding or clamping, so ``DQ(Q(P(DQ(x))))`` equals ``P(DQ(x))`` bit for bit.
+Against the model before the pass, the change is exact when the old output quantizer also
+reproduced every input grid value (checked exhaustively over the input type, and so reported);
+otherwise it removes a rounding onto the old, coarser output grid: each element moves by at most
+half an old output step, towards P's input. A Q that *clamps* values its input can take is never
+aligned: quantize_static deletes a Relu/Clip after a Reshape, Flatten, ... and leaves its clamp in
+that Q (zero point at qmin), and the input's parameters would drop it
+(:func:`kenosis_rewrite.value_range.quantizer_clamp`).
 
-Refused with a reason: a Q read by anything but DequantizeLinear, a Q that is a graph output, a
-different quantized type on the two sides, per-axis or blocked parameters.
+It matters for speed because ORT CPU removes the Q/DQ around a pass-through op (running it on the
+integer tensor) only when both sides have identical parameters; the activation rules change
+parameters upstream, and this pass keeps the chain aligned.
+
+Refused with a reason: an output Q that clamps reachable values, a Q read by anything but
+DequantizeLinear, a Q that is a graph output, a different quantized type on the two sides,
+per-axis or blocked parameters.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.passes._base import ReportingPass
 
 RULE_NAME = "align-pass-through-qparams"
 
-# Ops whose every output value is one of the values of their first input.
-PASS_THROUGH_OPS = frozenset(
-    {
-        "MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze",
-        "Slice", "Gather", "GatherElements", "GatherND", "Expand", "Tile", "Identity",
-        "DepthToSpace", "SpaceToDepth", "ReduceMax", "ReduceMin", "Split",
-    }
-)
 
-
-def _is_pass_through(node: ir.Node | None) -> bool:
-    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in PASS_THROUGH_OPS:
-        return False
-    if node.op_type == "MaxPool" and len(node.outputs) > 1 and node.outputs[1].uses():
-        return False  # the Indices output is not a value of the input
-    return True
+def _round_trip_is_identity(p_in: _qdq.QuantParams, p_out: _qdq.QuantParams) -> bool:
+    """True when ``DQ_out(Q_out(v)) == v`` for every value ``v`` of the input grid (checked exhaustively)."""
+    lo, hi = _qdq.INTEGER_RANGES[p_in.dtype]
+    grid = _qdq.dequantize_array(np.arange(lo, hi + 1, dtype=np.int64), p_in)
+    return bool(np.array_equal(_qdq.dequantize_array(_qdq.quantize_array(grid, p_out), p_out), grid))
 
 
 class PassThroughQParamsPass(ReportingPass):
-    """Align Q parameters after pass-through ops with their input's DQ parameters. Exact."""
+    """Align Q parameters after pass-through ops with their input's DQ parameters; see the module docstring."""
 
     rule_name = RULE_NAME
-
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
@@ -60,7 +58,7 @@ class PassThroughQParamsPass(ReportingPass):
 
     def _align(self, quantize: ir.Node) -> bool:
         op = quantize.inputs[0].producer() if quantize.inputs[0] is not None else None
-        if not _is_pass_through(op) or op.inputs[0] is None:
+        if not value_range.is_pass_through(op):
             return False
         source = op.inputs[0].producer()
         if not _qdq.is_dequantize(source):
@@ -86,10 +84,19 @@ class PassThroughQParamsPass(ReportingPass):
         if consumers is None:
             self.refused(where, f"quantized output {output.name!r} is read by a non-DequantizeLinear node")
             return False
+        clamp = value_range.quantizer_clamp(quantize)
+        if clamp is not None:
+            lo, hi = clamp
+            self.refused(
+                where, f"the output quantizer clamps the input's values (at {lo} / {hi}): it stands for an "
+                "activation quantize_static removed, which the input's parameters would drop",
+            )
+            return False
+        exact = _round_trip_is_identity(p_in, p_out)
         for node in (quantize, *consumers):
             node.replace_input_with(1, source.inputs[1])
             if len(node.inputs) < 3:
                 node.resize_inputs(3)
             node.replace_input_with(2, source.inputs[2])
-        self.changed(where, f"{p_out.describe()} -> {p_in.describe()} (input's parameters)", exact=True)
+        self.changed(where, f"{p_out.describe()} -> {p_in.describe()} (input's parameters)", exact=exact)
         return True

@@ -24,8 +24,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.passes._base import ReportingPass
+from kenosis_rewrite.passes.dequantize import insert_clamp
 
 RULE_NAME = "symmetric-int8-activations"
 _QMAX = 127
@@ -37,36 +38,6 @@ def _symmetric_scale(params: _qdq.QuantParams) -> np.ndarray:
     reach = np.maximum(scale * (zero_point - params.qmin), scale * (params.qmax - zero_point))
     reach = np.where(reach > 0, reach, scale)
     return (reach / _QMAX).astype(params.scale.dtype)
-
-
-# Ops whose output is never negative, and ops that only move values of their first input around.
-_NON_NEGATIVE_OPS = frozenset({"Relu", "Sigmoid", "HardSigmoid", "Softmax", "Exp", "Abs", "Sqrt", "Softplus"})
-_VALUE_PRESERVING_OPS = frozenset(
-    {"MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Slice",
-     "Identity", "AveragePool", "GlobalAveragePool", "Concat", "Resize"}
-)
-
-
-def _known_non_negative(value: ir.Value | None, depth: int = 8) -> bool:
-    """True when ``value`` provably has no negative element (a Relu in front would be a no-op)."""
-    producer = value.producer() if value is not None else None
-    if producer is None or depth == 0:
-        return False
-    if producer.op_type in _NON_NEGATIVE_OPS:
-        return True
-    if producer.op_type == "Clip":
-        low = _qdq.const_array(producer.inputs[1]) if len(producer.inputs) > 1 else None
-        return low is not None and float(low.reshape(-1)[0]) >= 0
-    if _qdq.is_dequantize(producer):
-        params = _qdq.quant_params(producer)
-        if params is not None and bool(np.all(params.zero_point.astype(np.int64) == params.qmin)):
-            return True
-        quantize = producer.inputs[0].producer()
-        return _qdq.is_quantize(quantize) and _known_non_negative(quantize.inputs[0], depth - 1)
-    if producer.op_type in _VALUE_PRESERVING_OPS:
-        inputs = producer.inputs if producer.op_type == "Concat" else producer.inputs[:1]
-        return all(_known_non_negative(v, depth - 1) for v in inputs)
-    return False
 
 
 def _is_weight_use(node: ir.Node, index: int) -> bool:
@@ -131,16 +102,22 @@ class SymmetricActivationsPass(ReportingPass):
 
     @staticmethod
     def _restore_relu(graph: ir.Graph, quantize: ir.Node, params: _qdq.QuantParams) -> bool:
-        """A Q with zero point qmin clamps at 0: it may stand for a Relu quantize_static deleted.
+        """Put back the clamp the old Q stood for (:func:`value_range.implied_clamp`).
 
-        The symmetric Q no longer clamps there, so the Relu comes back in front of it.
+        A Q whose zero point was qmin clamped at 0, which may be a Relu that quantize_static
+        deleted: the symmetric Q no longer clamps there, so the Relu comes back in front of it (its
+        top stays clamped: the new range keeps the old top). Any other bound that provably cut
+        reachable values comes back as a Clip.
         """
-        if params.scalar_zero_point != params.qmin or _known_non_negative(quantize.inputs[0]):
+        clamp = value_range.implied_clamp(quantize)
+        if clamp is None:
             return False
-        relu = ir.Node("", "Relu", [quantize.inputs[0]], name=_qdq.unique_name(graph, f"{quantize.name or 'q'}_relu"))
-        relu.outputs[0].name = _qdq.unique_name(graph, f"{quantize.inputs[0].name or 'x'}_relu")
-        graph.insert_before(quantize, relu)
-        quantize.replace_input_with(0, relu.outputs[0])
+        lo, hi = clamp
+        if params.scalar_zero_point == params.qmin:
+            lo, hi = 0.0, None
+        base = quantize.inputs[0].name or "x"
+        clamp_node = insert_clamp(graph, quantize.inputs[0], lo, hi, params.scale.dtype, base, quantize)
+        quantize.replace_input_with(0, clamp_node.outputs[0])
         return True
 
     def _constant(self, graph: ir.Graph, node: ir.Node) -> bool:

@@ -39,7 +39,7 @@ import onnx_ir as ir
 from onnxscript.rewriter._basics import MatchResult
 from onnxscript.rewriter._rewrite_rule import RULE_NAME_TAG, RewriteRuleClassBase, RewriteRuleSet
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
 
 _RULE_NAMES = frozenset(
@@ -49,23 +49,6 @@ _RULE_NAMES = frozenset(
 __all__ = [
     "FoldReluIsland", "FoldClipIsland", "ReluZeroPointToQmin", "ClipZeroPointToQmin", "activation_island_rules",
 ]
-
-
-def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None] | str:
-    """(lo, hi) of a Clip with constant bounds (None = unbounded), or a reason why not."""
-    if len(clip.inputs) > 1 or not clip.attributes:
-        bounds = []
-        for index in (1, 2):
-            value = clip.inputs[index] if len(clip.inputs) > index else None
-            if value is None:
-                bounds.append(None)
-                continue
-            array = _qdq.const_array(value)
-            if array is None:
-                return f"Clip bound {value.name!r} is not a constant"
-            bounds.append(float(array.reshape(-1)[0]))
-        return bounds[0], bounds[1]
-    return clip.attributes.get_float("min", None), clip.attributes.get_float("max", None)
 
 
 class _FoldActivationIsland(RewriteRuleClassBase):
@@ -85,10 +68,6 @@ class _FoldActivationIsland(RewriteRuleClassBase):
 
     def _upper_bound(self, activation: ir.Node, representable: float) -> float | str:
         return representable
-
-    def _redundant_before(self, activation: ir.Node, params: _qdq.QuantParams) -> bool:
-        """ORT's own test (ReluQuantFusion): a Relu before Q is redundant when zp == qmin."""
-        return params.scalar_zero_point == params.qmin
 
     def _fail(self, where: str, reason: str) -> MatchResult:
         if self.report is not None:
@@ -141,7 +120,7 @@ class _FoldActivationIsland(RewriteRuleClassBase):
         upper = self._upper_bound(act_node, representable)
         if isinstance(upper, str):
             return self._fail(where, upper)
-        if q1 is None and self._redundant_before(act_node, p2):
+        if q1 is None and value_range.absorbed_by_quantizer(act_node, p2):
             return MatchResult().fail("already fused: the quantizer makes the activation redundant")
         if self.report is not None:
             self.report.forget_refusals_at(self.name, where)
@@ -219,7 +198,7 @@ class FoldClipIsland(_FoldActivationIsland):
     activation = "Clip"
 
     def _upper_bound(self, activation: ir.Node, representable: float) -> float | str:
-        bounds = _clip_bounds(activation)
+        bounds = value_range.activation_bounds(activation)
         if isinstance(bounds, str):
             return bounds
         lo, hi = bounds
@@ -228,17 +207,6 @@ class FoldClipIsland(_FoldActivationIsland):
         if hi is not None and hi <= 0:
             return f"Clip upper bound {hi} leaves no positive range"
         return representable if hi is None else min(hi, representable)
-
-    def _redundant_before(self, activation: ir.Node, params: _qdq.QuantParams) -> bool:
-        """ORT's own test (ClipQuantFusion): both bounds fall outside the quantizer's range."""
-        bounds = _clip_bounds(activation)
-        if isinstance(bounds, str):
-            return False
-        lo, hi = bounds
-        scale, zero_point = params.scalar_scale, params.scalar_zero_point
-        lo_ok = lo is None or np.rint(lo / scale) + zero_point <= params.qmin
-        hi_ok = hi is None or np.rint(hi / scale) + zero_point >= params.qmax
-        return bool(lo_ok and hi_ok)
 
 
 class ReluZeroPointToQmin(_OutputZeroPointToQmin):
@@ -252,7 +220,6 @@ class ClipZeroPointToQmin(_OutputZeroPointToQmin):
 
     activation = "Clip"
     _upper_bound = FoldClipIsland._upper_bound
-    _redundant_before = FoldClipIsland._redundant_before
 
 
 def activation_island_rules(report: FixReport | None = None) -> RewriteRuleSet:

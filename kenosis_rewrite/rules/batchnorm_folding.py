@@ -25,8 +25,12 @@ read dequantized, i.e. as the input model computes them. A weight of -128 in a c
 Before opset 13 DequantizeLinear has no axis: the folded weights are then re-rounded onto one
 per-tensor scale (one more rounding of the weights, reported).
 
-Refused with a reason: a quantized Conv whose BN output is not quantized (the Conv would lose its
-output quantizer and run float), non-constant BN parameters or weights, training-mode BN, weights with
+The Q/DQ between Conv and BN may carry a clamp: quantize_static deletes the Relu of
+``Conv -> Relu -> BN`` and keeps it as that Q's zero point at qmin. Such a Q is never folded away
+(:func:`kenosis_rewrite.value_range.implied_clamp`); a BN after a Relu cannot move into the Conv.
+
+Refused with a reason: a Q between Conv and BN that clamps at 0, a quantized Conv whose BN output
+is not quantized (the Conv would lose its output quantizer and run float), non-constant BN parameters or weights, training-mode BN, weights with
 non-zero zero points or blocked scales, a per-axis weight scale not on the output-channel axis,
 Conv outputs or intermediate Q/DQ read by other nodes.
 """
@@ -38,7 +42,7 @@ import onnx_ir as ir
 from onnxscript.rewriter._basics import MatchResult
 from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
 
 __all__ = ["FoldBatchNormIntoConv", "FoldBatchNormIntoConvThroughQDQ", "batchnorm_rules"]
@@ -105,10 +109,19 @@ class _FoldBatchNorm(RewriteRuleClassBase):
         for value in (conv_out, q, dq):
             if value is not None and (len(value.uses()) != 1 or value.is_graph_output()):
                 return self._fail(where, f"{value.name!r} is read by other nodes or is a graph output")
+        if q is not None:
+            middle = _qdq.quant_params(q.producer())
+            if middle is None or not middle.is_per_tensor:
+                return self._fail(where, "the Q between the Conv and the BatchNormalization is not per-tensor constant")
         if q is not None and not all(_qdq.is_quantize(user) for user, _ in bn_out.uses()):
             return self._fail(
                 where, "the BatchNormalization output is not quantized: folding would leave the Conv "
                 "without an output quantizer, i.e. a float Conv",
+            )
+        if q is not None and value_range.implied_clamp(q.producer()) is not None:
+            return self._fail(
+                where, "the Q between the Conv and the BatchNormalization clamps at 0 (zero point at qmin): it "
+                "stands for a Relu/Clip quantize_static removed, which no fold into the Conv can keep",
             )
         affine = _bn_affine(bn)
         if isinstance(affine, str):

@@ -54,7 +54,7 @@ import onnx_ir as ir
 from onnxscript.rewriter._basics import MatchResult
 from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
 
 __all__ = [
@@ -575,7 +575,7 @@ class _ActivationAfterNBits(_NBitsRule):
         return self._ok(_where(out.producer(), self.activation))
 
     def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
-        return 0.0, None
+        return value_range.activation_bounds(node)
 
     def rewrite(self, op, x, out, **_):
         node, matmul = out.producer(), x.producer()
@@ -605,19 +605,6 @@ class ClipToMinMaxAfterNBits(_ActivationAfterNBits):
 
     rule_name = "clip-to-min-max-after-nbits"
     activation = "Clip"
-
-    def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
-        bounds = []
-        for index, attribute in ((1, "min"), (2, "max")):
-            value = node.inputs[index] if len(node.inputs) > index else None
-            if value is None:
-                bounds.append(node.attributes.get_float(attribute, None))
-                continue
-            array = _constant(value)
-            if array is None:
-                return f"Clip bound {value.name!r} is not a constant"
-            bounds.append(float(array.reshape(-1)[0]))
-        return bounds[0], bounds[1]
 
 
 def matmul_nbits_rules(report: FixReport | None = None) -> RewriteRuleSet:

@@ -1,0 +1,284 @@
+"""What values a tensor can take: one analysis for every rule that asks.
+
+Rules need three facts, and each used to have its own partial answer:
+
+* **Which ops only move values** (``PASS_THROUGH_OPS``): every output element is an element of the
+  first input (selection, layout, max/min). Their outputs have exactly the input's value set.
+* **The bounds of a Clip or Relu** (:func:`activation_bounds`): Clip's bounds are inputs from
+  opset 11 and attributes before; an absent bound is unbounded.
+* **The interval a tensor lies in** (:func:`bounds`): a sound over-approximation by interval
+  arithmetic from constants, dequantized tensors, bounded activations and value-preserving ops;
+  anything the analysis does not know is unbounded, so "cannot be negative" is only said when
+  it is proven.
+
+On top of these, :func:`quantizer_clamp` answers the question every Q/DQ rewrite must ask before it
+replaces or removes a QuantizeLinear: does this Q clamp values its input can take? quantize_static
+deletes a Relu or Clip in front of a Q and lets the Q's clamp stand for it (zero point at qmin
+after a Relu, or a range narrower than the activation's input); a rewrite that drops such a clamp
+changes the function the model computes. The answer is conservative: a side is reported as clamping
+unless the analysis proves no reachable value lies beyond it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+
+__all__ = [
+    "PASS_THROUGH_OPS", "Interval", "activation_bounds", "bounds", "can_be_negative", "quantizer_range",
+    "quantizer_clamp", "implied_clamp", "is_pass_through", "absorbed_by_quantizer",
+]
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+# Ops whose every output value is one of the values of their first input.
+PASS_THROUGH_OPS = frozenset(
+    {
+        "MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze",
+        "Slice", "Gather", "GatherElements", "GatherND", "Expand", "Tile", "Identity",
+        "DepthToSpace", "SpaceToDepth", "ReduceMax", "ReduceMin", "Split",
+    }
+)
+
+# Ops whose outputs are convex combinations (averages) of input values: inside the input's hull.
+_AVERAGING_OPS = frozenset({"AveragePool", "GlobalAveragePool", "ReduceMean"})
+
+_UNBOUNDED = (-math.inf, math.inf)
+_DEPTH = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    lo: float = -math.inf
+    hi: float = math.inf
+
+    def union(self, other: Interval) -> Interval:
+        return Interval(min(self.lo, other.lo), max(self.hi, other.hi))
+
+    def clamp(self, lo: float | None, hi: float | None) -> Interval:
+        """The interval after ``Clip(lo, hi)`` (None = that side unbounded)."""
+
+        def clip(x: float) -> float:
+            x = x if lo is None else max(x, lo)
+            return x if hi is None else min(x, hi)
+
+        return Interval(clip(self.lo), clip(self.hi))
+
+    def contains(self, other: Interval) -> bool:
+        return self.lo <= other.lo and other.hi <= self.hi
+
+
+def is_pass_through(node: ir.Node | None) -> bool:
+    """True when every value ``node``'s first output holds is a value of its first input."""
+    if node is None or node.domain not in _DEFAULT_DOMAINS or node.op_type not in PASS_THROUGH_OPS:
+        return False
+    if node.op_type == "MaxPool" and len(node.outputs) > 1 and node.outputs[1].uses():
+        return False  # the Indices output is not a value of the input
+    return bool(node.inputs) and node.inputs[0] is not None
+
+
+def activation_bounds(node: ir.Node) -> tuple[float | None, float | None] | str:
+    """(lo, hi) of a Relu or Clip (None = unbounded), or why they are not constants.
+
+    Clip's bounds are optional inputs from opset 11 on and ``min``/``max`` attributes before it.
+    """
+    if node.op_type == "Relu":
+        return 0.0, None
+    if node.op_type != "Clip":
+        return f"{node.op_type} is not Relu or Clip"
+    result = []
+    for index, attribute in ((1, "min"), (2, "max")):
+        value = node.inputs[index] if len(node.inputs) > index else None
+        if value is None:
+            result.append(node.attributes.get_float(attribute, None))
+            continue
+        array = _qdq.const_array(value)
+        if array is None:
+            return f"Clip bound {value.name!r} is not a constant"
+        result.append(float(array.reshape(-1)[0]))
+    return result[0], result[1]
+
+
+def absorbed_by_quantizer(activation: ir.Node, params: _qdq.QuantParams) -> bool:
+    """ORT's ReluQuantFusion / ClipQuantFusion test: the Q's own clamp makes ``activation`` redundant.
+
+    A Relu when the zero point is qmin; a Clip when both bounds round outside the Q's range.
+    """
+    limits = activation_bounds(activation)
+    if isinstance(limits, str) or not params.is_per_tensor:
+        return False
+    lo, hi = limits
+    scale, zero_point = params.scalar_scale, params.scalar_zero_point
+    if activation.op_type == "Relu":
+        return zero_point == params.qmin
+    lo_ok = lo is None or np.rint(lo / scale) + zero_point <= params.qmin
+    hi_ok = hi is None or np.rint(hi / scale) + zero_point >= params.qmax
+    return bool(lo_ok and hi_ok)
+
+
+def quantizer_range(params: _qdq.QuantParams) -> Interval:
+    """The values a per-tensor Q/DQ can represent: ``[s (qmin - z), s (qmax - z)]``."""
+    scale, zero_point = params.scalar_scale, params.scalar_zero_point
+    return Interval(scale * (params.qmin - zero_point), scale * (params.qmax - zero_point))
+
+
+def _dequantized_range(node: ir.Node, depth: int) -> Interval:
+    params = _qdq.quant_params(node)
+    if params is None or params.block_size:
+        return Interval(*_UNBOUNDED)
+    data = _qdq.const_array(node.inputs[0])
+    if data is not None:
+        values = _qdq.dequantize_array(data, params)
+        return Interval(float(values.min()), float(values.max())) if values.size else Interval(0.0, 0.0)
+    scale = params.scale.astype(np.float64).reshape(-1)
+    zero_point = params.zero_point.astype(np.float64).reshape(-1)
+    representable = Interval(
+        float(np.min(scale * (params.qmin - zero_point))), float(np.max(scale * (params.qmax - zero_point)))
+    )
+    quantize = node.inputs[0].producer() if node.inputs[0] is not None else None
+    q_params = _qdq.quant_params(quantize) if _qdq.is_quantize(quantize) else None
+    if q_params is None or not q_params.same_as(params) or not params.is_per_tensor:
+        return representable
+    # DQ(Q(x)) is non-decreasing in x: its values lie between the images of x's bounds.
+    reach = bounds(quantize.inputs[0], depth - 1)
+    ends = np.array([reach.lo, reach.hi], dtype=np.float64).clip(representable.lo, representable.hi)
+    low, high = _qdq.dequantize_array(_qdq.quantize_array(ends, params), params)
+    return Interval(float(low), float(high))
+
+
+def _sum(a: Interval, b: Interval) -> Interval:
+    return Interval(a.lo + b.lo, a.hi + b.hi)
+
+
+def _product(a: Interval, b: Interval) -> Interval:
+    corners = [x * y for x in (a.lo, a.hi) for y in (b.lo, b.hi) if not (math.isinf(x) and y == 0 or math.isinf(y) and x == 0)]
+    return Interval(min(corners, default=0.0), max(corners, default=0.0)) if corners else Interval(0.0, 0.0)
+
+
+def bounds(value: ir.Value | None, depth: int = _DEPTH) -> Interval:
+    """A sound interval containing every value ``value`` can take, whatever the graph inputs."""
+    if value is None or depth <= 0:
+        return Interval(*_UNBOUNDED)
+    constant = _qdq.const_array(value)
+    if constant is not None:
+        if constant.size == 0 or not np.issubdtype(constant.dtype, np.number):
+            return Interval(*_UNBOUNDED)
+        return Interval(float(np.min(constant)), float(np.max(constant)))
+    node = value.producer()
+    if node is None or node.domain not in _DEFAULT_DOMAINS:
+        return Interval(*_UNBOUNDED)
+    op, below = node.op_type, depth - 1
+
+    def of(index: int) -> Interval:
+        return bounds(node.inputs[index] if len(node.inputs) > index else None, below)
+
+    if op == "DequantizeLinear":
+        return _dequantized_range(node, below)
+    if op == "QuantizeLinear":
+        params = _qdq.quant_params(node)
+        if params is None or not params.is_per_tensor:
+            return Interval(*_UNBOUNDED)
+        return Interval(params.qmin, params.qmax)
+    if op in ("Relu", "Clip"):
+        limits = activation_bounds(node)
+        lo, hi = (None, None) if isinstance(limits, str) else limits
+        if isinstance(limits, str) and op == "Clip":
+            return Interval(*_UNBOUNDED)
+        return of(0).clamp(lo, hi)
+    if op in ("Sigmoid", "HardSigmoid", "Softmax"):
+        return Interval(0.0, 1.0)
+    if op == "Tanh":
+        return Interval(-1.0, 1.0)
+    if op in ("Abs", "Exp", "Sqrt", "Softplus"):
+        return Interval(0.0, math.inf)
+    if op == "HardSwish":
+        inner = of(0)
+        return Interval(-0.375, max(inner.hi, 0.0))
+    if op == "LeakyRelu":
+        inner, alpha = of(0), node.attributes.get_float("alpha", 0.01)
+        if alpha < 0:
+            return Interval(*_UNBOUNDED)
+        return Interval(min(inner.lo * alpha, inner.lo, 0.0) if inner.lo < 0 else inner.lo, inner.hi)
+    if is_pass_through(node) or op in _AVERAGING_OPS:
+        return of(0)
+    if op == "Resize":
+        mode = node.attributes.get_string("mode", "nearest")
+        return of(0) if mode in ("nearest", "linear") else Interval(*_UNBOUNDED)  # cubic overshoots
+    if op in ("Concat", "Max", "Min", "Where"):
+        indices = range(1, len(node.inputs)) if op == "Where" else range(len(node.inputs))
+        parts = [of(i) for i in indices]
+        if not parts:
+            return Interval(*_UNBOUNDED)
+        if op == "Max":
+            return Interval(max(p.lo for p in parts), max(p.hi for p in parts))
+        if op == "Min":
+            return Interval(min(p.lo for p in parts), min(p.hi for p in parts))
+        result = parts[0]
+        for part in parts[1:]:
+            result = result.union(part)
+        return result
+    if op == "Add" and len(node.inputs) == 2:
+        return _sum(of(0), of(1))
+    if op == "Mul" and len(node.inputs) == 2:
+        return _product(of(0), of(1))
+    if op == "Neg":
+        inner = of(0)
+        return Interval(-inner.hi, -inner.lo)
+    return Interval(*_UNBOUNDED)
+
+
+def can_be_negative(value: ir.Value | None) -> bool:
+    """False only when ``value`` provably has no negative element."""
+    return bounds(value).lo < 0
+
+
+def quantizer_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None:
+    """The clamp a per-tensor QuantizeLinear applies to values its input can take.
+
+    Returns ``(lo, hi)`` with the bound on each side where the Q cuts off reachable values (None on
+    a side where it provably does not), or None when it clamps nothing reachable. The test is on the
+    integer grid, as the Q computes it: a value that rounds into the range is not clamped.
+    Raises ValueError for parameters that are not per-tensor constants (callers refuse those first).
+    """
+    params = _qdq.quant_params(quantize)
+    if params is None or not params.is_per_tensor:
+        raise ValueError("quantizer_clamp needs per-tensor constant parameters")
+    reach = bounds(quantize.inputs[0])
+    scale, zero_point = np.float32(params.scalar_scale), params.scalar_zero_point
+    limits = quantizer_range(params)
+
+    def grid(x: float) -> float:
+        return x if math.isinf(x) else float(np.rint(np.float32(x) / scale)) + zero_point
+
+    lo = limits.lo if grid(reach.lo) < params.qmin else None
+    hi = limits.hi if grid(reach.hi) > params.qmax else None
+    return None if lo is None and hi is None else (lo, hi)
+
+
+def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None:
+    """The clamp a rewrite must keep when it removes or re-parameterises this QuantizeLinear.
+
+    * Zero point at qmin on an input that can be negative: the Q clamps at 0, which is how
+      quantize_static keeps a Relu or Clip(0, M) it deleted. The whole range ``(0, top)`` is the
+      clamp (a deleted Relu6 saturates at its top, which calibration put at the range's top).
+    * A side where the input's values are bounded and the Q provably cuts them (e.g. a Relu
+      deleted after a Reshape of a dequantized tensor): that side's bound.
+
+    None when neither holds: the Q's clamps are only its calibrated range on an unbounded tensor,
+    and removing them moves the model towards FP32. Raises ValueError like :func:`quantizer_clamp`.
+    """
+    params = _qdq.quant_params(quantize)
+    clamp = quantizer_clamp(quantize)
+    if clamp is None:
+        return None
+    if params.scalar_zero_point == params.qmin and clamp[0] is not None:
+        return 0.0, quantizer_range(params).hi
+    reach = bounds(quantize.inputs[0])
+    lo = clamp[0] if math.isfinite(reach.lo) else None
+    hi = clamp[1] if math.isfinite(reach.hi) else None
+    return None if lo is None and hi is None else (lo, hi)
