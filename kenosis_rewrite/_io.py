@@ -87,7 +87,7 @@ def check_quantized(model: ir.Model) -> None:
             "QDQ models: quantize with quant_format=QuantFormat.QDQ."
         )
     has_qdq = any(
-        _qdq.is_quantize(node) or _qdq.is_dequantize(node)
+        node.op_type in (_qdq.QUANTIZE, _qdq.DEQUANTIZE) and node.domain in (*_qdq.DEFAULT_DOMAINS, "com.microsoft")
         for node in ir.traversal.RecursiveGraphIterator(model.graph)
     )
     if not has_qdq:

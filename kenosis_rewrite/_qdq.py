@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
-_DEFAULT_DOMAINS = ("", "ai.onnx")
+DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # Integer ranges of the quantized types the rules understand. Other types (float8, ...) are
 # left untouched by every rule, which then refuses with a reason.
@@ -26,7 +26,7 @@ WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
 def is_op(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in _DEFAULT_DOMAINS
+    return node is not None and node.op_type == op_type and node.domain in DEFAULT_DOMAINS
 
 
 def is_quantize(node: ir.Node | None) -> bool:
@@ -104,7 +104,7 @@ def _quantized_dtype(node: ir.Node) -> ir.DataType | None:
         tensor = ir.convenience.get_const_tensor(zp)
         if tensor is not None:
             return tensor.dtype
-    if is_quantize(node):
+    if node.op_type == QUANTIZE:
         output_dtype = node.attributes.get_int("output_dtype", 0)
         if output_dtype:
             return ir.DataType(output_dtype)
@@ -118,9 +118,11 @@ def _quantized_dtype(node: ir.Node) -> ir.DataType | None:
     return data.dtype
 
 
-def quant_params(node: ir.Node) -> QuantParams | None:
+def quant_params(node: ir.Node, domains: tuple[str, ...] = DEFAULT_DOMAINS) -> QuantParams | None:
     """Parameters of a Q/DQ node, or None when the scale or zero point is not a constant."""
-    if not (is_quantize(node) or is_dequantize(node)) or len(node.inputs) < 2:
+    if node is None or node.op_type not in (QUANTIZE, DEQUANTIZE) or node.domain not in domains:
+        return None
+    if len(node.inputs) < 2:
         return None
     scale = const_array(node.inputs[1])
     if scale is None:

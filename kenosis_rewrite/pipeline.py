@@ -21,11 +21,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
-from onnxscript.rewriter._rewrite_rule import RewriteRuleSet
+from onnxscript.rewriter import RewriteRuleSet
 
 from kenosis_rewrite import _io
 from kenosis_rewrite.errors import KenosisError, RewriteError
-from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.guard import Guard, candidate_undos
+from kenosis_rewrite.report import FixReport, Refusal
 from kenosis_rewrite.targets import TARGETS as _TARGETS
 from kenosis_rewrite.targets import get_target
 
@@ -92,18 +93,22 @@ class FixPass(ir.passes.InPlacePass):
     Usable in ``onnx_ir.passes.PassManager`` and after ``onnxscript.optimizer.optimize``.
     """
 
-    def __init__(self, target: str = "ort-cpu", report: FixReport | None = None):
+    def __init__(self, target: str = "ort-cpu", report: FixReport | None = None, disabled: Iterable[str] = ()):
         super().__init__()
         _check_target(target)
         self.target = target
         self.report = report if report is not None else FixReport(target=target)
+        self.disabled = frozenset(disabled)
+
+    def _enabled(self, steps: list) -> list:
+        return [step for step in steps if getattr(step, "rule_name", getattr(step, "name", None)) not in self.disabled]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         target = get_target(self.target)
         steps = ir.passes.Sequential(
-            *target.pre_passes(self.report),
-            RewriteRulesPass(rules(self.target, self.report)),
-            *target.post_passes(self.report),
+            *self._enabled(target.pre_passes(self.report)),
+            RewriteRulesPass(RewriteRuleSet(self._enabled(target.rules(self.report)))),
+            *self._enabled(target.post_passes(self.report)),
         )
         result = steps(model)
         CleanupPass()(model)
@@ -160,6 +165,45 @@ def _latency_placement(
     CleanupPass()(model)
 
 
+def _fix_once(model: _io.ModelLike, target: str, disabled: frozenset[str]) -> tuple[_io.LoadedModel, FixReport]:
+    loaded = _io.load(model)
+    report = FixReport(target=target)
+    FixPass(target, report, disabled)(loaded.model)
+    return loaded, report
+
+
+def _guarded_fix(model: _io.ModelLike, target: str, guard: Guard | None) -> tuple[_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """FixPass, then the run-time guard; rules the guard rejects are undone (the model is rebuilt
+    from the caller's input without them) and the report says why."""
+    loaded, report = _fix_once(model, target, frozenset())
+    after = _io.in_memory_proto(loaded.model)
+    if guard is None or after is None:
+        return loaded, report, after
+    if guard.unavailable:
+        report.note(guard.unavailable)
+        return loaded, report, after
+    problem = guard.violation(after, report)
+    if problem is None:
+        return loaded, report, after
+    for disabled in [*candidate_undos(report), None]:
+        if disabled is None:  # nothing short of no rewrite at all passes: return the input as it was
+            loaded = _io.load(model)
+            retry_report, retry_after = FixReport(target=target), _io.in_memory_proto(loaded.model)
+            undone = "every rewrite"
+        else:
+            loaded, retry_report = _fix_once(model, target, disabled)
+            retry_after = _io.in_memory_proto(loaded.model)
+            if guard.violation(retry_after, retry_report) is not None:
+                continue
+            undone = ", ".join(sorted(disabled))
+        retry_report.refusals[:0] = [
+            Refusal(rule, "whole model", f"undone by the run-time guard: {problem}") for rule in sorted(disabled or ())
+        ]
+        retry_report.note(f"run-time guard: {problem}; undone: {undone}")
+        return loaded, retry_report, retry_after
+    raise AssertionError("unreachable")
+
+
 def fix_with_report(
     model: _io.ModelLike,
     *,
@@ -169,27 +213,32 @@ def fix_with_report(
     optimize_for: str | None = None,
     latency_budget_s: float = 60.0,
     threads: int = 1,
+    verify: bool = True,
 ) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
     """:func:`fix`, returning ``(fixed_model, FixReport)``."""
     _check_target(target)
     if optimize_for not in OPTIMIZE_FOR:
         raise KenosisError(f"optimize_for must be one of {OPTIMIZE_FOR}, got {optimize_for!r}")
     calibration = list(calibration) if calibration is not None else None
-    loaded = _io.load(model)
-    before = _io.in_memory_proto(loaded.model)
-    report = FixReport(target=target)
-    FixPass(target, report)(loaded.model)
+    before = _io.in_memory_proto(_io.load(model).model)
+    float_proto = None
+    if float_model is not None:
+        float_proto = _io.to_output(_io.LoadedModel(_io.load(float_model, require_qdq=False).model, "proto"))
+    guard = None
+    if verify and before is not None:
+        guard = Guard(before, calibration or [], float_model=float_proto)
+    loaded, report, after = _guarded_fix(model, target, guard)
     if optimize_for == "latency":
         _latency_placement(loaded.model, report, calibration, latency_budget_s, threads)
-    after = _io.in_memory_proto(loaded.model)
+        after = _io.in_memory_proto(loaded.model)
     if before is not None and after is not None:
         _validate(before, after, report)
     else:
-        report.note("the model is larger than 2 GB: the output was not run through onnx.checker")
-    if float_model is not None:
+        report.note("the model is larger than 2 GB: the output was not run through onnx.checker nor the run-time guard")
+    if float_proto is not None:
         from kenosis_rewrite import fidelity  # noqa: PLC0415 - only needed with a float model
 
-        report.fidelity = fidelity.compare_to_float(float_model, {"input": before, "fixed": after}, calibration)
+        report.fidelity = fidelity.compare_to_float(float_proto, {"input": before, "fixed": after}, calibration)
     result = loaded.model if loaded.returns == "ir" else after
     return result, report
 
@@ -204,6 +253,7 @@ def fix(
     optimize_for: str | None = None,
     latency_budget_s: float = 60.0,
     threads: int = 1,
+    verify: bool = True,
 ):
     """Rewrite a QDQ model so that ONNX Runtime runs more of it in fused integer kernels.
 
@@ -221,6 +271,11 @@ def fix(
             :mod:`kenosis_rewrite.passes.latency_placement`); never slower than without it.
         latency_budget_s: time budget of that search (decisions are cached per model and machine).
         threads: intra-op threads the latency search measures with (match your deployment).
+        verify: the run-time guard (:mod:`kenosis_rewrite.guard`, on by default for models under
+            2 GB): the output must run wherever the input ran, with the same output shapes, equal
+            the input bit for bit where every change claims exactness, and lose at most 0.005
+            cosine against the reference (FP32 when given, else the input without its roundings)
+            on ``calibration`` or random feeds; rules that break this are undone and reported.
 
     Returns:
         The fixed model, of the kind given: an ``onnx_ir.Model`` for an ``onnx_ir.Model``,
@@ -232,6 +287,6 @@ def fix(
     """
     fixed, report = fix_with_report(
         model, target=target, float_model=float_model, calibration=calibration,
-        optimize_for=optimize_for, latency_budget_s=latency_budget_s, threads=threads,
+        optimize_for=optimize_for, latency_budget_s=latency_budget_s, threads=threads, verify=verify,
     )
     return (fixed, report) if return_report else fixed

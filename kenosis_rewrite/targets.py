@@ -34,6 +34,7 @@ from kenosis_rewrite.errors import UnsupportedTargetError
 from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
 from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.passes.constant_quantize import FoldConstantQuantizePass
+from kenosis_rewrite.passes.contrib_qdq import ContribQDQToStandardPass
 from kenosis_rewrite.passes.dequantize import DequantizeBiasPass
 from kenosis_rewrite.passes.qdq_propagation import DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
@@ -103,7 +104,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
-        pre_passes=lambda report: [FoldConstantQuantizePass(report), ActivationInt8ToUint8Pass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), ActivationInt8ToUint8Pass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -116,7 +117,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="cited: QDQIsInt8Allowed() under MLAS_TARGET_ARM_ANY (onnxruntime qdq_selector_action_transformer.h)",
         ),
-        pre_passes=lambda report: [FoldConstantQuantizePass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -129,7 +130,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
-        pre_passes=lambda report: [FoldConstantQuantizePass(report), SymmetricActivationsPass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), SymmetricActivationsPass(report)],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
         post_passes=lambda report: [
             DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
@@ -145,7 +146,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="research: positive homogeneity f(a x) = a f(x), a > 0; Quark's DPU placement Conv -> Relu -> Q -> DQ",
         ),
-        pre_passes=lambda report: [FoldConstantQuantizePass(report), SymmetricActivationsPass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), SymmetricActivationsPass(report)],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=lambda report: [PassThroughQParamsPass(report), BiasRescalePass(report)],
     ),

@@ -237,18 +237,19 @@ def can_be_negative(value: ir.Value | None) -> bool:
     return bounds(value).lo < 0
 
 
-def quantizer_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None:
+def quantizer_clamp(quantize: ir.Node, reach: Interval | None = None) -> tuple[float | None, float | None] | None:
     """The clamp a per-tensor QuantizeLinear applies to values its input can take.
 
     Returns ``(lo, hi)`` with the bound on each side where the Q cuts off reachable values (None on
-    a side where it provably does not), or None when it clamps nothing reachable. The test is on the
-    integer grid, as the Q computes it: a value that rounds into the range is not clamped.
+    a side where it provably does not), or None when it clamps nothing reachable. ``reach`` is the
+    interval of the Q's input (:func:`bounds` when not given). The test is on the integer grid, as
+    the Q computes it: a value that rounds into the range is not clamped.
     Raises ValueError for parameters that are not per-tensor constants (callers refuse those first).
     """
     params = _qdq.quant_params(quantize)
     if params is None or not params.is_per_tensor:
         raise ValueError("quantizer_clamp needs per-tensor constant parameters")
-    reach = bounds(quantize.inputs[0])
+    reach = bounds(quantize.inputs[0]) if reach is None else reach
     scale, zero_point = np.float32(params.scalar_scale), params.scalar_zero_point
     limits = quantizer_range(params)
 
@@ -260,17 +261,33 @@ def quantizer_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | No
     return None if lo is None and hi is None else (lo, hi)
 
 
+def _quantized_source_range(value: ir.Value | None, depth: int = _DEPTH) -> Interval:
+    """The range of the dequantized tensor whose values ``value`` only moves (through pass-through
+    ops), unbounded when it is anything else: the calibrated range ``value`` had upstream. Averaging
+    ops do not count: their outputs' calibrated range is rightly narrower than their input's."""
+    node = value.producer() if value is not None else None
+    if node is None or depth <= 0:
+        return Interval(*_UNBOUNDED)
+    if _qdq.is_dequantize(node):
+        return _dequantized_range(node, depth - 1)
+    if is_pass_through(node):
+        return _quantized_source_range(node.inputs[0], depth - 1)
+    return Interval(*_UNBOUNDED)
+
+
 def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None:
     """The clamp a rewrite must keep when it removes or re-parameterises this QuantizeLinear.
 
     * Zero point at qmin on an input that can be negative: the Q clamps at 0, which is how
       quantize_static keeps a Relu or Clip(0, M) it deleted. The whole range ``(0, top)`` is the
       clamp (a deleted Relu6 saturates at its top, which calibration put at the range's top).
-    * A side where the input's values are bounded and the Q provably cuts them (e.g. a Relu
-      deleted after a Reshape of a dequantized tensor): that side's bound.
+    * A Q that cuts the range of a dequantized tensor it only receives through pass-through ops
+      (``DQ -> Reshape -> Q`` with a narrower range): both were calibrated on the same values, so
+      the cut is a Relu/Clip quantize_static deleted after the Reshape. That side's bound.
 
-    None when neither holds: the Q's clamps are only its calibrated range on an unbounded tensor,
-    and removing them moves the model towards FP32. Raises ValueError like :func:`quantizer_clamp`.
+    None when neither holds: the Q's clamps are then only its calibrated range (of an unbounded
+    tensor, or of a bounded activation such as Sigmoid whose calibrated top is below 1), and
+    removing them moves the model towards FP32. Raises ValueError like :func:`quantizer_clamp`.
     """
     params = _qdq.quant_params(quantize)
     clamp = quantizer_clamp(quantize)
@@ -278,7 +295,10 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
         return None
     if params.scalar_zero_point == params.qmin and clamp[0] is not None:
         return 0.0, quantizer_range(params).hi
-    reach = bounds(quantize.inputs[0])
-    lo = clamp[0] if math.isfinite(reach.lo) else None
-    hi = clamp[1] if math.isfinite(reach.hi) else None
+    source = _quantized_source_range(quantize.inputs[0])
+    cut = quantizer_clamp(quantize, source)
+    if cut is None:
+        return None
+    lo = cut[0] if math.isfinite(source.lo) else None
+    hi = cut[1] if math.isfinite(source.hi) else None
     return None if lo is None and hi is None else (lo, hi)

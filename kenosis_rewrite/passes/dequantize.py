@@ -285,6 +285,8 @@ class DequantizeBiasPass(ir.passes.InPlacePass):
     Exact: the float bias is the value the int32 bias's DequantizeLinear produced.
     """
 
+    rule_name = "float-bias"
+
     def __init__(self, report: FixReport | None = None):
         super().__init__()
         self.report = report
@@ -308,7 +310,7 @@ class DequantizeBiasPass(ir.passes.InPlacePass):
             node.replace_input_with(2, cache[id(value)])
             modified = True
             if self.report is not None:
-                self.report.changed("float-bias", node.name or node.op_type, "int32 bias -> float", exact=True)
+                self.report.changed(self.rule_name, node.name or node.op_type, "int32 bias -> float", exact=True)
         if modified:
             from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
 

@@ -113,8 +113,8 @@ class SymmetricActivationsPass(ReportingPass):
         if clamp is None:
             return False
         lo, hi = clamp
-        if params.scalar_zero_point == params.qmin:
-            lo, hi = 0.0, None
+        if lo == 0.0:  # a deleted Relu/Clip(0, M): its top stays clamped by the new range
+            hi = None
         base = quantize.inputs[0].name or "x"
         clamp_node = insert_clamp(graph, quantize.inputs[0], lo, hi, params.scale.dtype, base, quantize)
         quantize.replace_input_with(0, clamp_node.outputs[0])

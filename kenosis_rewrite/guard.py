@@ -1,0 +1,133 @@
+"""The run-time guard of ``fix()``: the rewritten model must run, keep its output shapes and its accuracy.
+
+Every rule states its exactness; the guard checks the whole result against the input model on a
+few feeds (the caller's calibration feeds, random ones otherwise), with ONNX Runtime:
+
+* **runs**: the output builds and runs at ``ORT_ENABLE_ALL`` and ``ORT_DISABLE_ALL`` wherever the
+  input ran, and every output has the input's shape;
+* **exact**: when every change claims exactness, the outputs equal the input's bit for bit
+  (``ORT_DISABLE_ALL``: the graph's own semantics, no kernel substitution);
+* **faithful**: the cosine of every output against a reference drops by at most ``tolerance``
+  compared with the input's. The reference is the FP32 model when the caller gives it, otherwise
+  the input model without its roundings (every activation Q/DQ removed, weights dequantized, the
+  clamps its quantizers stood for kept: :class:`~kenosis_rewrite.passes.dequantize.DequantizeAllPass`).
+
+``fix()`` undoes the rules a failed check points at (see :func:`candidate_undos`) and reports why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from kenosis_rewrite import fidelity
+from kenosis_rewrite.report import FixReport
+
+__all__ = ["DEFAULT_TOLERANCE", "Guard", "candidate_undos"]
+
+DEFAULT_TOLERANCE = 0.005
+_FEEDS = 2
+
+
+def _session(model: onnx.ModelProto, optimized: bool) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 4
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _outputs(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], optimized: bool) -> list[list[np.ndarray]]:
+    session = _session(model, optimized)
+    return [session.run(None, dict(feed)) for feed in feeds]
+
+
+def _per_output_cosines(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> list[float]:
+    """Cosine of each float output against the reference, over all feeds together."""
+    cosines = []
+    for index in range(len(reference[0])):
+        ref = [np.asarray(r[index]) for r in reference]
+        if not np.issubdtype(ref[0].dtype, np.floating):
+            continue
+        out = [np.asarray(o[index], np.float64).reshape(-1) for o in outputs]
+        cosines.append(fidelity.cosine(np.concatenate([r.reshape(-1) for r in ref]), np.concatenate(out)))
+    return cosines
+
+
+def _dequantized_reference(model: onnx.ModelProto) -> onnx.ModelProto:
+    from kenosis_rewrite.passes.dequantize import DequantizeAllPass  # noqa: PLC0415 - avoid an import cycle
+
+    copy = ir.serde.deserialize_model(model)
+    DequantizeAllPass()(copy)
+    return ir.serde.serialize_model(copy)
+
+
+@dataclasses.dataclass
+class Guard:
+    """The input model's behaviour on a few feeds, to hold rewritten models against."""
+
+    model: onnx.ModelProto
+    feeds: list[dict[str, np.ndarray]]
+    float_model: onnx.ModelProto | None = None
+    tolerance: float = DEFAULT_TOLERANCE
+
+    def __post_init__(self) -> None:
+        self.feeds = [dict(feed) for feed in self.feeds][:_FEEDS] or fidelity.random_feeds(self.model, _FEEDS)
+        self.unavailable = ""
+        try:
+            self.input_optimized = _outputs(self.model, self.feeds, optimized=True)
+            self.input_plain = _outputs(self.model, self.feeds, optimized=False)
+            reference_model = self.float_model if self.float_model is not None else _dequantized_reference(self.model)
+            self.reference = _outputs(reference_model, self.feeds, optimized=True)
+        except Exception as error:  # noqa: BLE001 - the input itself does not run: nothing to hold to
+            self.unavailable = f"the run-time guard could not run the input model ({str(error).splitlines()[0][:200]})"
+            return
+        self.input_cosines = _per_output_cosines(self.reference, self.input_optimized)
+
+    def violation(self, model: onnx.ModelProto, report: FixReport) -> str | None:
+        """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None."""
+        if self.unavailable:
+            return None
+        try:
+            optimized = _outputs(model, self.feeds, optimized=True)
+            plain = _outputs(model, self.feeds, optimized=False)
+        except Exception as error:  # noqa: BLE001 - any ORT failure is the finding
+            return f"the rewritten model does not run in ONNX Runtime ({str(error).splitlines()[0][:300]})"
+        for before, after in zip(self.input_plain, plain):
+            for index, (a, b) in enumerate(zip(before, after)):
+                if np.shape(a) != np.shape(b):
+                    return f"output {index} changed shape: {np.shape(a)} -> {np.shape(b)}"
+        if report.changes and all(change.exact for change in report.changes):
+            for before, after in zip(self.input_plain, plain):
+                for a, b in zip(before, after):
+                    if not np.array_equal(a, b, equal_nan=True):
+                        return "every change claims exactness, yet the outputs differ from the input's"
+        cosines = _per_output_cosines(self.reference, optimized)
+        for index, (before, after) in enumerate(zip(self.input_cosines, cosines)):
+            if after < before - self.tolerance:
+                return (f"output {index}: cosine against the reference fell from {before:.5f} to {after:.5f} "
+                        f"(tolerance {self.tolerance})")
+        return None
+
+
+def candidate_undos(report: FixReport) -> list[frozenset[str]]:
+    """Sets of rules to disable, in the order to try them: each rule that changed something, the
+    approximate ones first and the latest first, then all approximate rules, then every rule."""
+    changed: list[str] = []
+    for change in reversed(report.changes):
+        if change.rule not in changed:
+            changed.append(change.rule)
+    approximate = [rule for rule in changed if any(not c.exact for c in report.changes if c.rule == rule)]
+    exact = [rule for rule in changed if rule not in approximate]
+    candidates = [frozenset({rule}) for rule in approximate + exact]
+    if len(approximate) > 1:
+        candidates.append(frozenset(approximate))
+    if len(changed) > 1:
+        candidates.append(frozenset(changed))
+    return candidates
