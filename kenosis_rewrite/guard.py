@@ -9,8 +9,7 @@ few feeds (the caller's calibration feeds, random ones otherwise), with ONNX Run
   (``ORT_DISABLE_ALL``: the graph's own semantics, no kernel substitution);
 * **faithful**: the cosine of every output against a reference drops by at most ``tolerance``
   compared with the input's. The reference is the FP32 model when the caller gives it, otherwise
-  the input model without its roundings (every activation Q/DQ removed, weights dequantized, the
-  clamps its quantizers stood for kept: :class:`~kenosis_rewrite.passes.dequantize.DequantizeAllPass`).
+  the input model without its activation roundings, every clamp kept (:func:`_unrounded_reference`).
 
 ``fix()`` undoes the rules a failed check points at (see :func:`candidate_undos`) and reports why.
 """
@@ -25,7 +24,9 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from kenosis_rewrite import fidelity
+from onnx_ir.passes import common as common_passes
+
+from kenosis_rewrite import _qdq, fidelity, value_range
 from kenosis_rewrite.report import FixReport
 
 __all__ = ["DEFAULT_TOLERANCE", "Guard", "candidate_undos"]
@@ -60,11 +61,22 @@ def _per_output_cosines(reference: list[list[np.ndarray]], outputs: list[list[np
     return cosines
 
 
-def _dequantized_reference(model: onnx.ModelProto) -> onnx.ModelProto:
-    from kenosis_rewrite.passes.dequantize import DequantizeAllPass  # noqa: PLC0415 - avoid an import cycle
+def _unrounded_reference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The input without its activation roundings: each per-tensor activation Q/DQ pair becomes a
+    clamp to the range it represented. Every clamp stays, whether it stands for a deleted
+    activation or a calibrated bound, since the graph cannot tell them apart: a rewrite that drops a
+    deleted Clip then shows as a systematic difference, one that drops a calibrated bound only on
+    the few values beyond it."""
+    from kenosis_rewrite.passes.dequantize import remove_qdq_pair  # noqa: PLC0415 - avoid an import cycle
 
     copy = ir.serde.deserialize_model(model)
-    DequantizeAllPass()(copy)
+    for node in list(copy.graph):
+        params = _qdq.quant_params(node) if _qdq.is_quantize(node) else None
+        if params is None or not params.is_per_tensor or _qdq.const_array(node.inputs[0]) is not None:
+            continue
+        limits = value_range.quantizer_range(params)
+        remove_qdq_pair(node, (limits.lo, limits.hi))
+    common_passes.RemoveUnusedNodesPass()(copy)
     return ir.serde.serialize_model(copy)
 
 
@@ -83,7 +95,7 @@ class Guard:
         try:
             self.input_optimized = _outputs(self.model, self.feeds, optimized=True)
             self.input_plain = _outputs(self.model, self.feeds, optimized=False)
-            reference_model = self.float_model if self.float_model is not None else _dequantized_reference(self.model)
+            reference_model = self.float_model if self.float_model is not None else _unrounded_reference(self.model)
             self.reference = _outputs(reference_model, self.feeds, optimized=True)
         except Exception as error:  # noqa: BLE001 - the input itself does not run: nothing to hold to
             self.unavailable = f"the run-time guard could not run the input model ({str(error).splitlines()[0][:200]})"

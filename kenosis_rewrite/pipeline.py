@@ -23,7 +23,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter import RewriteRuleSet
 
-from kenosis_rewrite import _io
+from kenosis_rewrite import _io, _qdq
 from kenosis_rewrite.errors import KenosisError, RewriteError
 from kenosis_rewrite.guard import Guard, candidate_undos
 from kenosis_rewrite.report import FixReport, Refusal
@@ -72,6 +72,13 @@ class CleanupPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         common_passes.RemoveUnusedNodesPass()(model)
+        model.graph.sort()  # inserted nodes may read values a reused node defines further down
+        for node in model.graph:
+            # The zero point fixes a Q's type; a redundant output_dtype goes stale when ORT's own
+            # int8 -> uint8 transformer retypes the zero point (ORT then refuses the model).
+            if _qdq.is_quantize(node) and "output_dtype" in node.attributes and _qdq.quant_params(node) is not None \
+                    and len(node.inputs) > 2 and node.inputs[2] is not None:
+                del node.attributes["output_dtype"]
         taken = {node.name for node in model.graph if node.name}
         for index, node in enumerate(model.graph):
             for key in [k for k in node.metadata_props if k.startswith(_REWRITER_METADATA_PREFIX)]:
@@ -108,7 +115,9 @@ class FixPass(ir.passes.InPlacePass):
         steps = ir.passes.Sequential(
             *self._enabled(target.pre_passes(self.report)),
             RewriteRulesPass(RewriteRuleSet(self._enabled(target.rules(self.report)))),
-            *self._enabled(target.post_passes(self.report)),
+            # post passes move Q/DQ and change parameters: repeat them until nothing changes, so a
+            # second fix() finds nothing left to do (idempotence)
+            ir.passes.PassManager(self._enabled(target.post_passes(self.report)), steps=_MAX_REWRITE_ROUNDS),
         )
         result = steps(model)
         CleanupPass()(model)

@@ -80,8 +80,26 @@ def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value) -> Non
     identity.outputs[0].type, identity.outputs[0].shape = value_type, shape
 
 
-def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str, before: ir.Node) -> ir.Node:
-    """``Relu(value)`` for ``(0, None)``, else ``Clip(value, lo, hi)``, inserted before ``before``."""
+def _existing_clamp(value: ir.Value, lo: float | None, hi: float | None) -> ir.Value | None:
+    for user, _ in value.uses():
+        if user.op_type in ("Relu", "Clip") and user.domain in _qdq.DEFAULT_DOMAINS and \
+                value_range.activation_bounds(user) == (lo, hi):
+            return user.outputs[0]
+    return None
+
+
+def _pass_through_chain(value: ir.Value) -> list[ir.Node]:
+    """The pass-through ops from a DequantizeLinear down to ``value`` (top first); empty when ``value``
+    is not reached from a DQ only through such ops."""
+    chain: list[ir.Node] = []
+    producer = value.producer()
+    while value_range.is_pass_through(producer) and not producer.inputs[0].is_graph_input():
+        chain.insert(0, producer)
+        producer = producer.inputs[0].producer()
+    return chain if chain and _qdq.is_dequantize(producer) else []
+
+
+def _new_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str) -> ir.Node:
     name = _qdq.unique_name(graph, f"{base}_clamp")
     if lo == 0.0 and hi is None:
         clamp = ir.Node("", "Relu", [value], name=name)
@@ -98,8 +116,35 @@ def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float |
             bounds.pop()
         clamp = ir.Node("", "Clip", [value, *bounds], name=name)
     clamp.outputs[0].name = _qdq.unique_name(graph, f"{base}_clamped")
-    graph.insert_before(before, clamp)
     return clamp
+
+
+def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str, reader: ir.Node) -> ir.Value:
+    """Clamp ``value`` for ``reader``: ``Relu`` for ``(0, None)``, else ``Clip(lo, hi)``; returns the
+    value ``reader`` must read instead of ``value``.
+
+    When ``value`` comes from a DequantizeLinear through pass-through ops only, the clamp goes right
+    after the DQ and the pass-through ops are repeated after it: a clamp commutes with ops that only
+    move values, and ``DQ -> Reshape -> Clip`` is a form ORT x86 breaks (its QDQ propagation puts a
+    Q/DQ pair after an int8 ``DQ -> Reshape`` that a float op reads, then retypes it to uint8
+    inconsistently, and refuses the model: output_dtype INT8 vs a uint8 zero point). An identical
+    clamp already reading the value is reused: dedicated Q/DQ pairs of one tensor share one clamp.
+    """
+    chain = _pass_through_chain(value)
+    site = chain[0].inputs[0] if chain else value
+    clamped = _existing_clamp(site, lo, hi)
+    anchor = chain[0] if chain else reader
+    if clamped is None:
+        clamp = _new_clamp(graph, site, lo, hi, dtype, base)
+        graph.insert_before(anchor, clamp)
+        clamped = clamp.outputs[0]
+    for op in chain:  # the same data movement, on the clamped values
+        copy = ir.Node(op.domain, op.op_type, [clamped, *op.inputs[1:]], attributes=list(op.attributes.values()),
+                       num_outputs=1, name=_qdq.unique_name(graph, f"{op.name or op.op_type}_clamped"))
+        copy.outputs[0].name = _qdq.unique_name(graph, f"{op.outputs[0].name or base}_clamped")
+        graph.insert_before(anchor, copy)
+        clamped = copy.outputs[0]
+    return clamped
 
 
 IMPLIED = "implied"
@@ -127,8 +172,7 @@ def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] 
         clamp = value_range.implied_clamp(quantize)
     source = quantize.inputs[0]
     if clamp is not None:
-        base = source.name or "activation"
-        source = insert_clamp(quantize.graph, source, *clamp, params.scale.dtype, base, quantize).outputs[0]
+        source = insert_clamp(quantize.graph, source, *clamp, params.scale.dtype, source.name or "activation", quantize)
     for dq in dequantizers:
         if dq.outputs[0].is_graph_output():
             _forward_graph_output(quantize.graph, dq, source)

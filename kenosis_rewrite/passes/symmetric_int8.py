@@ -8,8 +8,9 @@ where ``[lo, hi] = [s (qmin - z), s (qmax - z)]`` is the range the old quantizer
 the new one covers the same values (and their negatives). uint8 weights become int8 with zero point
 0 the same way, per channel when they were per-channel.
 
-A Q whose zero point was qmin clamped at 0, which may be a Relu that quantize_static deleted: a Relu
-is put back in front of the new Q, so the model computes the same function.
+The old Q clamped at ``lo`` and ``hi``; the new one at ``+-max(-lo, hi)``. The clamp it loses may be
+an activation quantize_static deleted (zero point qmin: a Relu; a Clip(a, b): its bounds), so it is
+put back in front of the new Q (Relu or Clip), and the model computes the same function.
 
 Exactness: approximate. The range is kept, the grid changes: a tensor that used [lo, hi] with
 256 levels now spends half of its 255 levels on ``[-max, 0)``; for a one-sided tensor the step
@@ -87,7 +88,7 @@ class SymmetricActivationsPass(ReportingPass):
             return False
         scale = _symmetric_scale(params)
         scale_value, zp_value = self._params(graph, output.name or "activation", scale, params.scale.shape)
-        restored = self._restore_relu(graph, node, params)
+        restored = self._restore_clamp(graph, node, params, float(scale.reshape(-1)[0]))
         for user in (node, *consumers):
             user.replace_input_with(1, scale_value)
             if len(user.inputs) < 3:
@@ -97,28 +98,40 @@ class SymmetricActivationsPass(ReportingPass):
             node.attributes["output_dtype"] = ir.AttrInt64("output_dtype", ir.DataType.INT8)
         output.type = ir.TensorType(ir.DataType.INT8)
         detail = f"{params.describe()} -> int8 s={float(scale.reshape(-1)[0]):.6g} zp=0"
-        self.changed(where, detail + ("; Relu restored" if restored else ""), exact=False)
+        self.changed(where, detail + (f"; {restored}" if restored else ""), exact=False)
         return True
 
     @staticmethod
-    def _restore_relu(graph: ir.Graph, quantize: ir.Node, params: _qdq.QuantParams) -> bool:
-        """Put back the clamp the old Q stood for (:func:`value_range.implied_clamp`).
+    def _restore_clamp(graph: ir.Graph, quantize: ir.Node, params: _qdq.QuantParams, scale: float) -> str:
+        """Put back, in front of the Q, each clamp the old range applied that the new one no longer does.
 
-        A Q whose zero point was qmin clamped at 0, which may be a Relu that quantize_static
-        deleted: the symmetric Q no longer clamps there, so the Relu comes back in front of it (its
-        top stays clamped: the new range keeps the old top). Any other bound that provably cut
-        reachable values comes back as a Clip.
+        The old Q clamped reachable values at ``lo`` and ``hi``; the symmetric one clamps at
+        ``+-m``, ``m = max(-lo, hi)``, so the side of smaller magnitude is lost. That clamp may be a
+        Relu or Clip that quantize_static deleted (zero point qmin: a Relu; a Clip(a, b) leaves
+        ``[a, b]`` as the calibrated range) or only a calibrated bound; both are what the input
+        model computes, and which one it is cannot be told from the graph, so it stays. Except on
+        the output of a Conv/MatMul/Gemm with its zero point above qmin: that is the calibrated
+        range of a linear output, whose Q/DQ the target's activation fusion removes anyway.
+        Returns what was restored ("" for nothing).
         """
-        clamp = value_range.implied_clamp(quantize)
+        clamp = value_range.quantizer_clamp(quantize)
         if clamp is None:
-            return False
+            return ""
         lo, hi = clamp
-        if lo == 0.0:  # a deleted Relu/Clip(0, M): its top stays clamped by the new range
-            hi = None
+        producer = quantize.inputs[0].producer()
+        if producer is not None and producer.op_type in _qdq.WEIGHTED_OPS and lo != 0.0:
+            # the calibrated range of a Conv/MatMul/Gemm output: the target's fusion rules remove
+            # this pair (the activation reads the op directly), so a clamp here would only block them
+            return ""
+        reach = _QMAX * scale
+        lo = lo if lo is not None and lo > -reach + scale / 2 else None
+        hi = hi if hi is not None and hi < reach - scale / 2 else None
+        if lo is None and hi is None:
+            return ""
         base = quantize.inputs[0].name or "x"
-        clamp_node = insert_clamp(graph, quantize.inputs[0], lo, hi, params.scale.dtype, base, quantize)
-        quantize.replace_input_with(0, clamp_node.outputs[0])
-        return True
+        clamped = insert_clamp(graph, quantize.inputs[0], lo, hi, params.scale.dtype, base, quantize)
+        quantize.replace_input_with(0, clamped)
+        return "Relu restored" if lo == 0.0 and hi is None else f"Clip({lo}, {hi}) restored"
 
     def _constant(self, graph: ir.Graph, node: ir.Node) -> bool:
         params = _qdq.quant_params(node)
