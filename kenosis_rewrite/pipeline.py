@@ -114,6 +114,7 @@ class FixPass(ir.passes.InPlacePass):
         target = get_target(self.target)
         steps = ir.passes.Sequential(
             *self._enabled(target.pre_passes(self.report)),
+            common_passes.RemoveUnusedNodesPass(),  # rules count consumers: dead readers must go first
             RewriteRulesPass(RewriteRuleSet(self._enabled(target.rules(self.report)))),
             # post passes move Q/DQ and change parameters: repeat them until nothing changes, so a
             # second fix() finds nothing left to do (idempotence)
