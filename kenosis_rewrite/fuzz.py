@@ -923,12 +923,13 @@ class _Reference:
     fp32_outputs: list[list[np.ndarray]]  # ORT_DISABLE_ALL
     cos_qdq: float
     eval_feeds: list[dict]
+    verify: bool = True  # fix()'s run-time guard on; off tests the rules' own promises
 
 
-def _call_fix(model, target: str):
+def _call_fix(model, target: str, verify: bool = True):
     import kenosis_rewrite  # noqa: PLC0415
 
-    return kenosis_rewrite.fix(model, target=target, return_report=True)
+    return kenosis_rewrite.fix(model, target=target, return_report=True, verify=verify)
 
 
 def _check_outputs(case: CaseResult, ref: _Reference, fixed_bytes: bytes, target: str, rules) -> dict:
@@ -970,7 +971,7 @@ def _check_repeat(case: CaseResult, ref: _Reference, fixed: onnx.ModelProto, fix
     for category, source, what in checks:
         case.fix_calls += 1
         try:
-            again, _ = _call_fix(source, target)
+            again, _ = _call_fix(source, target, ref.verify)
         except Exception as error:  # noqa: BLE001
             import kenosis_rewrite  # noqa: PLC0415
 
@@ -1000,7 +1001,7 @@ def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
     start = time.perf_counter()
     case.fix_calls += 1
     try:
-        fixed, report = _call_fix(ref.qdq, target)
+        fixed, report = _call_fix(ref.qdq, target, ref.verify)
     except kenosis_rewrite.KenosisError as error:
         result.typed_error = f"{type(error).__name__}: {_first_line(error)}"
     except Exception as error:  # noqa: BLE001
@@ -1012,6 +1013,7 @@ def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
         result.seconds = time.perf_counter() - start
         return
     result.changes = report.change_counts()
+    result.notes.extend(f"{target}: {note}" for note in report.notes if note.startswith("run-time guard"))
     rules = sorted(result.changes)
     if _interface(fixed) != _interface(ref.qdq):
         case.fail("interface_change", target, "graph inputs, outputs or opset imports differ from the input", rules)
@@ -1030,8 +1032,11 @@ def _model_and_config(seed: int) -> tuple[onnx.ModelProto, list[dict], dict]:
     return fp32, feeds, config
 
 
-def check_fix_case(seed: int, targets: tuple[str, ...] | None = None) -> CaseResult:
+def check_fix_case(seed: int, targets: tuple[str, ...] | None = None, verify: bool = True) -> CaseResult:
     """Generate, quantize and ``fix()`` case ``seed`` for every target; check every property.
+
+    ``verify=False`` turns fix()'s run-time guard off, so that the rules themselves are held to
+    their promises (the guard would undo a rule that breaks them).
 
     Failures are recorded in ``CaseResult.failures`` (never raised); a configuration that
     ``quantize_static`` (or ORT, on its output) refuses marks the case skipped.
@@ -1057,7 +1062,7 @@ def check_fix_case(seed: int, targets: tuple[str, ...] | None = None) -> CaseRes
         return case
     _, fp32_outputs = _run(fp32.SerializeToString(), eval_feeds, "disable_all")
     case.cos_qdq = _min_cosine(fp32_outputs, qdq_outputs)
-    ref = _Reference(qdq, qdq_bytes, names, qdq_outputs, fp32_outputs, case.cos_qdq, eval_feeds)
+    ref = _Reference(qdq, qdq_bytes, names, qdq_outputs, fp32_outputs, case.cos_qdq, eval_feeds, verify)
     for target in targets or kenosis_rewrite.TARGETS:
         _check_target(case, ref, target)
     case.seconds = time.perf_counter() - start
@@ -1142,13 +1147,13 @@ def _time_limit(seconds: int):
             signal.signal(signal.SIGALRM, previous)
 
 
-def _run_one(job: tuple[str, int, int]) -> CaseResult:
+def _run_one(job: tuple[str, int, int, bool]) -> CaseResult:
     """Worker entry point: one case, every exception recorded (category ``harness`` or ``timeout``)."""
-    kind, seed, limit = job
+    kind, seed, limit, verify = job
     start = time.perf_counter()
     try:
         with _time_limit(limit):
-            return check_fix_case(seed) if kind == "fix" else check_quantize_case(seed)
+            return check_fix_case(seed, verify=verify) if kind == "fix" else check_quantize_case(seed)
     except _CaseTimeout:
         case = CaseResult(seed=seed, kind=kind, config=_config_or_none(seed, kind))
         case.fail("timeout", "quantize()" if kind == "quantize" else None, f"the case ran longer than {limit} s")
@@ -1176,15 +1181,15 @@ def _worker_init() -> None:
 
 def run_cases(
     seed_start: int = 0, cases: int = 100, quantize_cases: int = 0, jobs: int = 1, progress_every: int = 50,
-    stream=None, case_timeout: int = 300,
+    stream=None, case_timeout: int = 300, verify: bool = True,
 ) -> list[CaseResult]:
     """Run ``cases`` fix cases and ``quantize_cases`` quantize cases from ``seed_start``; results by seed.
 
     Each case runs in a worker process (``jobs`` > 1) under a ``case_timeout`` second limit.
     """
     stream = stream if stream is not None else sys.stdout
-    work = [("fix", seed_start + i, case_timeout) for i in range(cases)]
-    work += [("quantize", seed_start + i, case_timeout) for i in range(quantize_cases)]
+    work = [("fix", seed_start + i, case_timeout, verify) for i in range(cases)]
+    work += [("quantize", seed_start + i, case_timeout, verify) for i in range(quantize_cases)]
     results = []
     start = time.perf_counter()
 
@@ -1248,6 +1253,9 @@ def summarize(results: list[CaseResult], examples: int = 4) -> dict:
         "seconds_per_fix_case": mean(r.seconds for r in run_fix),
         "seconds_per_quantize_case": mean(r.seconds for r in quantize_cases if not r.skipped),
         "cases_with_failures": sum(r.failed for r in results),
+        # not failures: fix() caught a rule breaking its bound and undid it (what and why, per call)
+        "guard_undos": [f"seed {r.seed} {note}" for r in results for t in r.targets for note in t.notes
+                        if "run-time guard" in note],
         "typed_errors": dict(typed),
         "failures": {c: len(fs) for c, fs in by_category.items()},
         "failing_seeds": {c: len({(f.seed, f.target == "quantize()") for f in fs}) for c, fs in by_category.items()},
@@ -1275,6 +1283,9 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  skipped {count}x: {reason}")
     if summary["typed_errors"]:
         lines.append("typed KenosisErrors (allowed): " + ", ".join(f"{k} x{v}" for k, v in summary["typed_errors"].items()))
+    guard_undos = summary.get("guard_undos", [])
+    lines.append(f"run-time guard undid a rule in {len(guard_undos)} fix() call(s) (not a failure: caught, undone, reported)")
+    lines.extend(f"  {note[:240]}" for note in guard_undos[:8])
     lines += ["", f"{'failure category':48s} {'failures':>8s} {'cases':>6s}", "-" * 64]
     for key, title in CATEGORY_TITLES:
         lines.append(f"{title:48s} {summary['failures'][key]:8d} {summary['failing_seeds'][key]:6d}")
@@ -1335,13 +1346,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", type=int, help="run one fix case and print everything about it")
     parser.add_argument("--replay-quantize", type=int, help="run one quantize case and print everything about it")
     parser.add_argument("--target", help="with --replay: only this target")
+    parser.add_argument("--no-guard", action="store_true", help="fix(verify=False): hold the rules themselves to their promises")
     parser.add_argument("--dump", help="with --replay: write the case's models, config and feeds to this folder")
     args = parser.parse_args(argv)
     if args.replay is not None or args.replay_quantize is not None:
         return _replay(args)
     start = time.perf_counter()
-    print(f"fuzzing seeds {args.seed_start}..{args.seed_start + args.cases - 1} ({args.cases} fix cases, {args.quantize_cases} quantize cases, {args.jobs} jobs)")
-    results = run_cases(args.seed_start, args.cases, args.quantize_cases, args.jobs, case_timeout=args.case_timeout)
+    guard = "off" if args.no_guard else "on"
+    print(f"fuzzing seeds {args.seed_start}..{args.seed_start + args.cases - 1} ({args.cases} fix cases, {args.quantize_cases} quantize cases, {args.jobs} jobs, fix() guard {guard})")
+    results = run_cases(args.seed_start, args.cases, args.quantize_cases, args.jobs, case_timeout=args.case_timeout,
+                        verify=not args.no_guard)
     summary = summarize(results, args.examples)
     summary["wall_seconds"] = time.perf_counter() - start
     print(format_summary(summary))

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import math
+
 import onnx
 import onnx_ir as ir
 
@@ -41,21 +43,32 @@ class OutputProtectionPass(ir.passes.InPlacePass):
         self.float_values = _values_by_name(float_graph) if float_graph is not None else None
 
     def _clamp(self, quantize: ir.Node, output_name: str | None):
-        """What to put back for the removed Q: the float graph's activation, nothing, or IMPLIED."""
+        """What to put back for the removed Q: the clamp of the float graph's activations that the
+        quantized graph lost (composed: ``Relu -> Clip(-1, 1)`` is ``Clip(0, 1)``), None when it lost
+        none, or IMPLIED when the float graph does not say."""
         if self.float_values is None:
             return IMPLIED
         # quantize_static renames the producer of a graph output; the output keeps the float name
         name = output_name if output_name in self.float_values else quantize.inputs[0].name
         if name not in self.float_values:
             return IMPLIED
-        float_node = self.float_values[name].producer()
-        if float_node is None or float_node.op_type not in ("Relu", "Clip"):
-            return None  # the float graph has no activation here: nothing was removed
-        producer = quantize.inputs[0].producer()
-        if producer is not None and producer.op_type == float_node.op_type:
-            return None  # the activation is still there
-        bounds = value_range.activation_bounds(float_node)
-        return IMPLIED if isinstance(bounds, str) else bounds
+        present = {node.name for node in quantize.graph if node.name}
+        removed = []
+        node = self.float_values[name].producer()
+        while node is not None and node.op_type in ("Relu", "Clip") and node.domain in _qdq.DEFAULT_DOMAINS:
+            if node.name in present:
+                break  # still in the quantized graph: it and what precedes it were kept
+            removed.insert(0, node)
+            node = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if not removed:
+            return None
+        reach = value_range.Interval()
+        for node in removed:
+            bounds = value_range.activation_bounds(node)
+            if isinstance(bounds, str):
+                return IMPLIED
+            reach = reach.clamp(*bounds)
+        return tuple(None if math.isinf(bound) else bound for bound in (reach.lo, reach.hi))
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False

@@ -130,7 +130,10 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), SymmetricActivationsPass(report)],
+        pre_passes=lambda report: [
+            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report),
+            SymmetricActivationsPass(report, TENSORRT_FUSIBLE),
+        ],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
         post_passes=lambda report: [
             DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
@@ -146,7 +149,9 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="research: positive homogeneity f(a x) = a f(x), a > 0; Quark's DPU placement Conv -> Relu -> Q -> DQ",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), SymmetricActivationsPass(report)],
+        pre_passes=lambda report: [
+            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
+        ],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=lambda report: [PassThroughQParamsPass(report), BiasRescalePass(report)],
     ),

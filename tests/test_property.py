@@ -3,7 +3,8 @@
 Each case is one seed: a random FP32 model and a random quantize_static configuration; fix() runs
 for every target and must not raise anything but a KenosisError, mutate its input, produce a model
 ONNX Runtime refuses, change the interface or output shapes, differ between two calls or on a
-second application, break an exact=True promise, or lose more than 0.01 cosine against FP32.
+second application, break an exact=True promise, or lose more than 0.01 cosine against FP32 —
+with fix()'s run-time guard off, so the rules themselves are held to it.
 
     KENOSIS_PROPERTY_CASES=300 pytest tests/test_property.py      # more fix() cases
     KENOSIS_PROPERTY_QUANTIZE_CASES=50 pytest tests/test_property.py
@@ -22,8 +23,8 @@ import pytest
 
 from kenosis_rewrite import fuzz
 
-FIX_CASES = int(os.environ.get("KENOSIS_PROPERTY_CASES", "40"))
-QUANTIZE_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUANTIZE_CASES", "8"))
+FIX_CASES = int(os.environ.get("KENOSIS_PROPERTY_CASES", "200"))
+QUANTIZE_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUANTIZE_CASES", "30"))
 
 
 def _failure_report(case: fuzz.CaseResult) -> str:
@@ -35,7 +36,8 @@ def _failure_report(case: fuzz.CaseResult) -> str:
 
 @pytest.mark.parametrize("seed", range(FIX_CASES))
 def test_fix_properties(seed):
-    case = fuzz.check_fix_case(seed)
+    # the run-time guard off: every rule must keep its own promises, not be rescued by the guard
+    case = fuzz.check_fix_case(seed, verify=False)
     violated = [f"{f.category} ({f.target})" for f in case.failures]
     assert not violated, _failure_report(case)
 

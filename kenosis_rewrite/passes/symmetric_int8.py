@@ -50,6 +50,9 @@ class SymmetricActivationsPass(ReportingPass):
 
     rule_name = RULE_NAME
 
+    def __init__(self, report=None, fused_activations: tuple[str, ...] = ()):
+        super().__init__(report)
+        self.fused_activations = frozenset(fused_activations)
 
     def _params(self, graph: ir.Graph, base: str, scale: np.ndarray, shape) -> tuple[ir.Value, ir.Value]:
         scale_name = _qdq.unique_name(graph, f"{base}_sym_scale")
@@ -88,7 +91,7 @@ class SymmetricActivationsPass(ReportingPass):
             return False
         scale = _symmetric_scale(params)
         scale_value, zp_value = self._params(graph, output.name or "activation", scale, params.scale.shape)
-        restored = self._restore_clamp(graph, node, params, float(scale.reshape(-1)[0]))
+        restored = self._restore_clamp(graph, node, params, float(scale.reshape(-1)[0]), consumers)
         for user in (node, *consumers):
             user.replace_input_with(1, scale_value)
             if len(user.inputs) < 3:
@@ -101,8 +104,8 @@ class SymmetricActivationsPass(ReportingPass):
         self.changed(where, detail + (f"; {restored}" if restored else ""), exact=False)
         return True
 
-    @staticmethod
-    def _restore_clamp(graph: ir.Graph, quantize: ir.Node, params: _qdq.QuantParams, scale: float) -> str:
+    def _restore_clamp(self, graph: ir.Graph, quantize: ir.Node, params: _qdq.QuantParams, scale: float,
+                       dequantizers: list[ir.Node]) -> str:
         """Put back, in front of the Q, each clamp the old range applied that the new one no longer does.
 
         The old Q clamped reachable values at ``lo`` and ``hi``; the symmetric one clamps at
@@ -110,8 +113,8 @@ class SymmetricActivationsPass(ReportingPass):
         Relu or Clip that quantize_static deleted (zero point qmin: a Relu; a Clip(a, b) leaves
         ``[a, b]`` as the calibrated range) or only a calibrated bound; both are what the input
         model computes, and which one it is cannot be told from the graph, so it stays. Except on
-        the output of a Conv/MatMul/Gemm with its zero point above qmin: that is the calibrated
-        range of a linear output, whose Q/DQ the target's activation fusion removes anyway.
+        the output of a Conv/MatMul/Gemm with its zero point above qmin that only activations the
+        target fuses read: the fusion rule removes that pair anyway, and a clamp would block it.
         Returns what was restored ("" for nothing).
         """
         clamp = value_range.quantizer_clamp(quantize)
@@ -119,9 +122,12 @@ class SymmetricActivationsPass(ReportingPass):
             return ""
         lo, hi = clamp
         producer = quantize.inputs[0].producer()
-        if producer is not None and producer.op_type in _qdq.WEIGHTED_OPS and lo != 0.0:
-            # the calibrated range of a Conv/MatMul/Gemm output: the target's fusion rules remove
-            # this pair (the activation reads the op directly), so a clamp here would only block them
+        readers = [user for dq in dequantizers for user, _ in dq.outputs[0].uses()]
+        fusible = self.fused_activations | ({"Mul"} if "Sigmoid" in self.fused_activations else set())  # SiLU
+        fused = readers and all(user.op_type in fusible for user in readers)
+        if producer is not None and producer.op_type in _qdq.WEIGHTED_OPS and lo != 0.0 and fused:
+            # a Conv/MatMul/Gemm output read only by activations the target fuses into it: the
+            # fusion rule removes this pair (approximate, as it states), and a clamp would block it
             return ""
         reach = _QMAX * scale
         lo = lo if lo is not None and lo > -reach + scale / 2 else None
