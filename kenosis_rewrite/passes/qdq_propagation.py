@@ -10,7 +10,7 @@ parameters.
   and places elements, so applying it before or after an elementwise map gives the same tensor;
   ``max`` commutes with any increasing map (``max f(a_i) = f(max a_i)``), so MaxPool does too;
   Concat of tensors dequantized with one (s, z) is the dequantization of their concatenation.
-  Exact. (MaxPool on 8-bit tensors needs opset >= 12; refused below.)
+  Exact. (MaxPool on 8-bit tensors needs opset >= 12 and has no 16-bit kernel; refused there.)
 * **Q backward**: ``P -> Q(s, z)``  ==>  ``Q(s, z) -> P``. Same proof: Q is elementwise and
   non-decreasing (rounding then clamping), so it commutes with selection and with max. Exact.
 * **Redundant pairs**: ``DQ(s, z) -> Q(s, z)`` with identical parameters and type is the identity
@@ -40,11 +40,13 @@ def _opset(model: ir.Model) -> int:
     return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
 
 
-def _commutes(node: ir.Node, opset: int) -> bool:
+def _commutes(node: ir.Node, opset: int, params: _qdq.QuantParams | None = None) -> bool:
+    """True when ``node`` commutes with Q/DQ of ``params`` and runs on their quantized type."""
     if node.domain not in ("", "ai.onnx") or node.op_type not in COMMUTING_OPS:
         return False
-    if node.op_type == "MaxPool":
-        return opset >= 12 and not (len(node.outputs) > 1 and node.outputs[1].uses())
+    if node.op_type == "MaxPool":  # 8-bit MaxPool from opset 12; no 16-bit kernel
+        eight_bit = params is None or params.dtype in _qdq.EIGHT_BIT
+        return opset >= 12 and eight_bit and not (len(node.outputs) > 1 and node.outputs[1].uses())
     return True
 
 
@@ -92,7 +94,7 @@ class DequantizeForwardPass(ReportingPass):
         params = [_qdq.quant_params(dq) for dq in dequantizers]
         if any(p is None or not p.is_per_tensor for p in params) or not all(p.same_as(params[0]) for p in params):
             return False
-        if node.op_type == "MaxPool" and opset < 12:
+        if not _commutes(node, opset, params[0]):
             return False
         quantized = [dq.inputs[0] for dq in dequantizers]
         moved = _copy_node(graph, node, quantized + list(node.inputs[len(data_inputs):]), node)
@@ -122,7 +124,7 @@ class QuantizeBackwardPass(ReportingPass):
 
     def _move(self, graph: ir.Graph, quantize: ir.Node, opset: int) -> bool:
         op = quantize.inputs[0].producer()
-        if op is None or not _commutes(op, opset) or op.inputs[0] is None:
+        if op is None or not _commutes(op, opset, _qdq.quant_params(quantize)) or op.inputs[0] is None:
             return False
         if _qdq.is_dequantize(op.inputs[0].producer()) or len(op.outputs[0].uses()) != 1:
             return False  # DQ forward handles it / the float output is read elsewhere too
