@@ -98,7 +98,7 @@ def check_quantized(model: ir.Model) -> None:
         )
 
 
-def _external_base_dir(model: ir.Model) -> str | None:
+def external_base_dir(model: ir.Model) -> str | None:
     for value in model.graph.initializers.values():
         tensor = value.const_value
         if isinstance(tensor, ir.ExternalTensor):
@@ -112,7 +112,7 @@ def in_memory_proto(model: ir.Model) -> onnx.ModelProto | None:
     The model itself is not touched: external tensors are read into a separate copy.
     """
     proto = ir.serde.serialize_model(model)
-    base_dir = _external_base_dir(model)
+    base_dir = external_base_dir(model)
     if base_dir is None:
         return proto
     copy = ir.serde.deserialize_model(proto)
@@ -130,7 +130,7 @@ def _copy_ir_model(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto | None]:
     try:
         proto = ir.serde.serialize_model(model)
         copy = ir.serde.deserialize_model(proto)
-        base_dir = _external_base_dir(model)
+        base_dir = external_base_dir(model)
         if base_dir is not None:
             ir.external_data.set_base_dir(copy.graph, base_dir)
         checkable = in_memory_proto(model)

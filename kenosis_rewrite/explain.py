@@ -217,8 +217,10 @@ def _session_options(optimized_path: str, threads: int):
 def _write_model(model: ir.Model, directory: str) -> str:
     """Save ``model`` for ORT; large weights go to an external file next to it."""
     path = os.path.join(directory, "input.onnx")
-    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    ir.save(model, path, external_data="input.data" if size > 1 << 30 else None)
+    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
+    # external tensors are written out again: their files sit next to the caller's model, not here
+    external = sum(t.nbytes for t in tensors) > 1 << 30 or any(isinstance(t, ir.ExternalTensor) for t in tensors)
+    ir.save(model, path, external_data="input.data" if external else None)
     return path
 
 
@@ -249,7 +251,11 @@ def _with_shapes(model: ir.Model) -> ir.Model:
     """A copy of ``model`` with ONNX shape inference applied (the model itself when that fails)."""
     try:
         proto = ir.serde.serialize_model(model)
-        return ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto, data_prop=True))
+        shaped = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto, data_prop=True))
+        base_dir = _io.external_base_dir(model)
+        if base_dir is not None:  # the copy's external tensors still live next to the caller's model
+            ir.external_data.set_base_dir(shaped.graph, base_dir)
+        return shaped
     except Exception:  # noqa: BLE001 - shape inference is best effort; MACs fall back to 1 per dim
         return model
 

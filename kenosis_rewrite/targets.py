@@ -31,6 +31,7 @@ from collections.abc import Callable
 from onnxscript.rewriter._rewrite_rule import RewriteRule
 
 from kenosis_rewrite.errors import UnsupportedTargetError
+from kenosis_rewrite.passes.activation_hoist import ActivationBeforeDataMovementPass
 from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
 from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.passes.constant_quantize import FoldConstantQuantizePass
@@ -91,7 +92,7 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
 
 
 def _ort_post(report: Report) -> list:
-    return [PassThroughQParamsPass(report), BiasRescalePass(report)]
+    return [PassThroughQParamsPass(report), BiasRescalePass(report), ActivationBeforeDataMovementPass(report)]
 
 
 TARGETS: dict[str, Target] = {
@@ -137,7 +138,7 @@ TARGETS: dict[str, Target] = {
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
         post_passes=lambda report: [
             DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
-            DequantizeBiasPass(report),
+            DequantizeBiasPass(report), ActivationBeforeDataMovementPass(report),
         ],
     ),
     "npu": Target(
@@ -153,7 +154,7 @@ TARGETS: dict[str, Target] = {
             ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
         ],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
-        post_passes=lambda report: [PassThroughQParamsPass(report), BiasRescalePass(report)],
+        post_passes=_ort_post,
     ),
 }
 

@@ -127,7 +127,7 @@ def quantizer_range(params: _qdq.QuantParams) -> Interval:
     return Interval(scale * (params.qmin - zero_point), scale * (params.qmax - zero_point))
 
 
-def _dequantized_range(node: ir.Node, depth: int) -> Interval:
+def _dequantized_range(node: ir.Node, depth: int, seen: dict | None = None) -> Interval:
     params = _qdq.quant_params(node)
     if params is None or params.block_size:
         return Interval(*_UNBOUNDED)
@@ -145,7 +145,7 @@ def _dequantized_range(node: ir.Node, depth: int) -> Interval:
     if q_params is None or not q_params.same_as(params) or not params.is_per_tensor:
         return representable
     # DQ(Q(x)) is non-decreasing in x: its values lie between the images of x's bounds.
-    reach = bounds(quantize.inputs[0], depth - 1)
+    reach = bounds(quantize.inputs[0], depth - 1, seen)
     ends = np.array([reach.lo, reach.hi], dtype=np.float64).clip(representable.lo, representable.hi)
     low, high = _qdq.dequantize_array(_qdq.quantize_array(ends, params), params)
     return Interval(float(low), float(high))
@@ -160,10 +160,21 @@ def _product(a: Interval, b: Interval) -> Interval:
     return Interval(min(corners, default=0.0), max(corners, default=0.0)) if corners else Interval(0.0, 0.0)
 
 
-def bounds(value: ir.Value | None, depth: int = _DEPTH) -> Interval:
-    """A sound interval containing every value ``value`` can take, whatever the graph inputs."""
+def bounds(value: ir.Value | None, depth: int = _DEPTH, _seen: dict | None = None) -> Interval:
+    """A sound interval containing every value ``value`` can take, whatever the graph inputs.
+
+    Looks at most ``depth`` producers up; each value is analysed once per call (graphs with
+    residual joins would otherwise be walked once per path).
+    """
     if value is None or depth <= 0:
         return Interval(*_UNBOUNDED)
+    seen = {} if _seen is None else _seen
+    if id(value) not in seen:
+        seen[id(value)] = _bounds(value, depth, seen)
+    return seen[id(value)]
+
+
+def _bounds(value: ir.Value, depth: int, seen: dict) -> Interval:
     constant = _qdq.const_array(value)
     if constant is not None:
         if constant.size == 0 or not np.issubdtype(constant.dtype, np.number):
@@ -175,10 +186,10 @@ def bounds(value: ir.Value | None, depth: int = _DEPTH) -> Interval:
     op, below = node.op_type, depth - 1
 
     def of(index: int) -> Interval:
-        return bounds(node.inputs[index] if len(node.inputs) > index else None, below)
+        return bounds(node.inputs[index] if len(node.inputs) > index else None, below, seen)
 
     if op == "DequantizeLinear":
-        return _dequantized_range(node, below)
+        return _dequantized_range(node, below, seen)
     if op == "QuantizeLinear":
         params = _qdq.quant_params(node)
         if params is None or not params.is_per_tensor:
