@@ -94,7 +94,7 @@ class DequantizeForwardPass(ReportingPass):
         params = [_qdq.quant_params(dq) for dq in dequantizers]
         if any(p is None or not p.is_per_tensor for p in params) or not all(p.same_as(params[0]) for p in params):
             return False
-        if not _commutes(node, opset, params[0]):
+        if node.op_type != "Concat" and not _commutes(node, opset, params[0]):
             return False
         quantized = [dq.inputs[0] for dq in dequantizers]
         moved = _copy_node(graph, node, quantized + list(node.inputs[len(data_inputs):]), node)
