@@ -10,14 +10,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from kenosis_rewrite import fidelity
+
 
 def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 3
-    if not optimized:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return fidelity.session(model, optimized)
 
 
 def outputs(model: onnx.ModelProto, feed: dict, optimized: bool = True) -> list[np.ndarray]:

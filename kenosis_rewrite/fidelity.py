@@ -11,7 +11,7 @@ import onnxruntime as ort
 from kenosis_rewrite import _io
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
-__all__ = ["random_feeds", "run", "cosine", "sqnr_db", "compare_to_float"]
+__all__ = ["random_feeds", "session", "run", "cosine", "sqnr_db", "compare_to_float"]
 
 _NUMPY_OF_ONNX = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -52,12 +52,22 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
     return feeds
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
+    """An ORT CPU session, one thread; ``optimized=False`` runs the graph as written (ORT_DISABLE_ALL).
+
+    ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
+    """
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     try:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return session(model)
     except Exception as error:  # noqa: BLE001 - any ORT failure becomes one typed error
         raise RuntimeMeasurementError(f"ONNX Runtime could not load the model: {error}") from None
 

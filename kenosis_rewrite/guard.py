@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
 from onnx_ir.passes import common as common_passes
 
@@ -51,17 +50,8 @@ def cosine_floor(input_cosine: float, rules: set[str] | frozenset[str], toleranc
 _FEEDS = 4
 
 
-def _session(model: onnx.ModelProto, optimized: bool) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 4
-    if not optimized:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def _outputs(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], optimized: bool) -> list[list[np.ndarray]]:
-    session = _session(model, optimized)
+    session = fidelity.session(model, optimized)
     return [session.run(None, dict(feed)) for feed in feeds]
 
 

@@ -50,15 +50,20 @@ def _cos(a, b) -> float:
     return fidelity.cosine(np.asarray(a), np.asarray(b))
 
 
-def test_pass_through_alignment_keeps_a_relu_quantize_static_removed():
-    """repro/passthrough_drops_relu.py: x -> Reshape -> Relu; the Relu lives in the Q after Reshape."""
+def _reshape_relu() -> tuple[onnx.ModelProto, dict]:
+    """x -> Reshape -> Relu, and a feed with negative values."""
     model = _model(
         [helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"), helper.make_node("Relu", ["r"], ["y"], name="relu")],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
         [numpy_helper.from_array(np.array([2, 4], np.int64), "shape")],
     )
-    feed = {"x": np.linspace(-2, 2, 8, dtype=np.float32).reshape(1, 8)}
+    return model, {"x": np.linspace(-2, 2, 8, dtype=np.float32).reshape(1, 8)}
+
+
+def test_pass_through_alignment_keeps_a_relu_quantize_static_removed():
+    """repro/passthrough_drops_relu.py: x -> Reshape -> Relu; the Relu lives in the Q after Reshape."""
+    model, feed = _reshape_relu()
     qdq = _quantize_static(model, [feed], activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                            extra_options={"ForceQuantizeNoInputCheck": True})
     assert "Relu" not in _testing.op_types(qdq), "quantize_static is expected to delete the Relu"
@@ -208,13 +213,7 @@ def test_contrib_16_bit_qdq_below_opset_21_stays_with_a_reason():
 
 def test_the_guard_catches_a_rewrite_that_drops_a_clamp():
     """A deliberately wrong rewrite (the old alignment: the Q after Reshape gets the input's range)."""
-    model = _model(
-        [helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"), helper.make_node("Relu", ["r"], ["y"], name="relu")],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        [numpy_helper.from_array(np.array([2, 4], np.int64), "shape")],
-    )
-    feed = {"x": np.linspace(-2, 2, 8, dtype=np.float32).reshape(1, 8)}
+    model, feed = _reshape_relu()
     qdq = _quantize_static(model, [feed], extra_options={"ForceQuantizeNoInputCheck": True})
     broken = onnx.ModelProto()
     broken.CopyFrom(qdq)
