@@ -1,16 +1,19 @@
 """``fix()``: a thin pipeline over the rules and passes of one target (:mod:`kenosis_rewrite.targets`):
-the target's passes before the rules, its rewrite rules to a fixed point, its passes after, then
-clean-up.
+the target's passes before the rules, its rewrite rules to a fixed point, its passes after (to a
+fixed point), then clean-up; then the run-time guard (:mod:`kenosis_rewrite.guard`).
 
 Order for ``ort-cpu`` (each step's module docstring states its transformation and exactness):
 
-1. ``activation-int8-to-uint8`` (pass, exact): every activation Q/DQ to uint8.
+1. ``contrib-qdq-to-standard``, ``fold-constant-quantize``, ``activation-int8-to-uint8`` (passes,
+   exact): com.microsoft Q/DQ to the default domain, Q(constant) folded, activations to uint8.
 2. Rewrite rules to a fixed point: BatchNormalization folding, Relu/Clip island folding and zero
-   points to qmin, PRelu replacement.
-3. ``align-pass-through-qparams`` (pass, exact): parameters changed in 2 flow through MaxPool,
-   Reshape, ...
-4. ``requantize-stale-bias`` (pass): int32 biases follow the input scales changed in 2 and 3.
-5. Clean-up: unused nodes and initializers, the rewriter's bookkeeping metadata, node names.
+   points to qmin, PRelu replacement, weight-only MatMulNBits patterns.
+3. ``align-pass-through-qparams``, ``requantize-stale-bias``, ``activation-before-data-movement``
+   (passes): parameters changed in 2 flow through MaxPool, Reshape, ...; int32 biases follow the
+   input scales; activations go in front of data movement that reads an int8 DQ.
+4. Clean-up: unused nodes and initializers, topological order, stale ``output_dtype``, the
+   rewriter's bookkeeping metadata, node names.
+5. The guard runs input and output with ONNX Runtime and undoes a rule that broke its bound.
 """
 
 from __future__ import annotations

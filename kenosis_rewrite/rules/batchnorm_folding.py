@@ -28,6 +28,8 @@ per-tensor scale (one more rounding of the weights, reported).
 The Q/DQ between Conv and BN may carry a clamp: quantize_static deletes the Relu of
 ``Conv -> Relu -> BN`` and keeps it as that Q's zero point at qmin. Such a Q is never folded away
 (:func:`kenosis_rewrite.value_range.implied_clamp`); a BN after a Relu cannot move into the Conv.
+A deleted ``Clip(a, b)`` with ``a < 0`` leaves a Q whose range no analysis can tell from a calibrated
+one: folding through it drops the clamp, which ``fix()``'s run-time guard detects and undoes.
 
 Refused with a reason: a Q between Conv and BN that clamps at 0, a quantized Conv whose BN output
 is not quantized (the Conv would lose its output quantizer and run float), non-constant BN parameters or weights, training-mode BN, weights with
