@@ -40,6 +40,7 @@ class LoadedModel:
 
     model: ir.Model
     returns: str  # "proto" or "ir"
+    notes: list[str] = dataclasses.field(default_factory=list)  # what loading changed, for the report
 
 
 def _load_path(path: os.PathLike | str) -> onnx.ModelProto:
@@ -68,6 +69,34 @@ def _check_proto(proto: onnx.ModelProto) -> None:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as error:
         raise InvalidModelError(f"The input model fails the ONNX checker: {error}") from None
+
+
+_UNSORTED = "topologically sorted"
+SORTED_NOTE = "the input graph was not in topological order (ONNX Runtime sorts on load; the checker refuses): sorted"
+
+
+def _needs_sort(proto: onnx.ModelProto | None) -> bool:
+    """Check ``proto`` (the input serialised; None beyond 2 GB, already validated by onnx-ir); True when
+    its only fault is node order (Quark's XINT8 output: ONNX Runtime sorts on load, the checker refuses)."""
+    if proto is None:
+        return False
+    try:
+        _check_proto(proto)
+        return False
+    except InvalidModelError as error:
+        if _UNSORTED not in str(error):
+            raise
+    return True
+
+
+def _sort(copy: ir.Model) -> list[str]:
+    """Sort ``copy`` topologically and check it again; returns the note for the report."""
+    try:
+        copy.graph.sort()
+    except ValueError as error:  # a cycle: no order exists
+        raise InvalidModelError(f"The input graph has a cycle, so no node order is valid: {error}") from None
+    _check_proto(in_memory_proto(copy))
+    return [SORTED_NOTE]
 
 
 def check_quantized(model: ir.Model) -> None:
@@ -143,11 +172,10 @@ def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
     """A private onnx-ir copy of ``model``; the caller's object is never touched."""
     if isinstance(model, ir.Model):
         copy, checkable = _copy_ir_model(model)
-        if checkable is not None:  # beyond 2 GB the structure was already validated by onnx-ir
-            _check_proto(checkable)
+        notes = _sort(copy) if _needs_sort(checkable) else []
         if require_qdq:
             check_quantized(copy)
-        return LoadedModel(copy, "ir")
+        return LoadedModel(copy, "ir", notes)
     if isinstance(model, onnx.ModelProto):
         proto = model
         returns = "proto"
@@ -164,12 +192,13 @@ def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
         raise NotAnOnnxModelError(
             f"Expected an onnx.ModelProto, onnx_ir.Model or a path, got {type(model).__name__}."
         )
-    _check_proto(proto)
+    unsorted = _needs_sort(proto)
     # Tensors of the copy may view the proto's bytes; the proto is never written to, so that is safe.
     copy = ir.serde.deserialize_model(proto)
+    notes = _sort(copy) if unsorted else []
     if require_qdq:
         check_quantized(copy)
-    return LoadedModel(copy, returns)
+    return LoadedModel(copy, returns, notes)
 
 
 def to_output(loaded: LoadedModel) -> onnx.ModelProto | ir.Model:

@@ -29,6 +29,8 @@ from onnxscript.rewriter import RewriteRuleSet
 from kenosis_rewrite import _io, _qdq
 from kenosis_rewrite.errors import KenosisError, RewriteError
 from kenosis_rewrite.guard import Guard, candidate_undos
+from kenosis_rewrite.passes import output_quantizers
+from kenosis_rewrite.passes.output_quantizers import QuantizeWeightedOutputsPass
 from kenosis_rewrite.report import FixReport, Refusal
 from kenosis_rewrite.targets import TARGETS as _TARGETS
 from kenosis_rewrite.targets import get_target
@@ -103,20 +105,26 @@ class FixPass(ir.passes.InPlacePass):
     Usable in ``onnx_ir.passes.PassManager`` and after ``onnxscript.optimizer.optimize``.
     """
 
-    def __init__(self, target: str = "ort-cpu", report: FixReport | None = None, disabled: Iterable[str] = ()):
+    def __init__(
+        self, target: str = "ort-cpu", report: FixReport | None = None, disabled: Iterable[str] = (),
+        output_ranges: Mapping[str, tuple[float, float]] | None = None,
+    ):
         super().__init__()
         _check_target(target)
         self.target = target
         self.report = report if report is not None else FixReport(target=target)
         self.disabled = frozenset(disabled)
+        # measured ranges of weighted-op outputs that have no quantizer (see passes.output_quantizers)
+        self.output_ranges = dict(output_ranges or {})
 
     def _enabled(self, steps: list) -> list:
         return [step for step in steps if getattr(step, "rule_name", getattr(step, "name", None)) not in self.disabled]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         target = get_target(self.target)
+        first = [QuantizeWeightedOutputsPass(self.output_ranges, self.report)] if self.output_ranges else []
         steps = ir.passes.Sequential(
-            *self._enabled(target.pre_passes(self.report)),
+            *self._enabled(first + target.pre_passes(self.report)),
             common_passes.RemoveUnusedNodesPass(),  # rules count consumers: dead readers must go first
             RewriteRulesPass(RewriteRuleSet(self._enabled(target.rules(self.report)))),
             # post passes move Q/DQ and change parameters: repeat them until nothing changes, so a
@@ -178,17 +186,45 @@ def _latency_placement(
     CleanupPass()(model)
 
 
-def _fix_once(model: _io.ModelLike, target: str, disabled: frozenset[str]) -> tuple[_io.LoadedModel, FixReport]:
+def _fix_once(
+    model: _io.ModelLike, target: str, disabled: frozenset[str], output_ranges: Mapping | None = None,
+) -> tuple[_io.LoadedModel, FixReport]:
     loaded = _io.load(model)
     report = FixReport(target=target)
-    FixPass(target, report, disabled)(loaded.model)
+    for note in loaded.notes:
+        report.note(note)
+    FixPass(target, report, disabled, output_ranges)(loaded.model)
     return loaded, report
 
 
-def _guarded_fix(model: _io.ModelLike, target: str, guard: Guard | None) -> tuple[_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+def _output_ranges(before: onnx.ModelProto | None, target: str, calibration: list | None, report_notes: list[str]) -> dict:
+    """Ranges of weighted-op outputs that lack a quantizer, measured on the input model (ORT targets)."""
+    if before is None or not get_target(target).facts.quantize_weighted_outputs:
+        return {}
+    if not output_quantizers.candidates(ir.serde.deserialize_model(before).graph):
+        return {}
+    count = len(output_quantizers.candidates(ir.serde.deserialize_model(before).graph))
+    if not calibration:  # a range is a fact about data: no guessing it from synthetic inputs here
+        report_notes.append(
+            f"{output_quantizers.RULE_NAME}: {count} Conv/MatMul/Gemm output(s) reach no quantizer, so ORT runs "
+            "them in float; pass calibration= feeds to give them measured output quantizers"
+        )
+        return {}
+    try:
+        ranges = output_quantizers.measure_output_ranges(before, calibration[:8])
+    except Exception as error:  # noqa: BLE001 - the model cannot be run: the rule does not apply
+        report_notes.append(f"{output_quantizers.RULE_NAME}: could not measure output ranges ({str(error)[:200]})")
+        return {}
+    report_notes.append(f"{output_quantizers.RULE_NAME}: output ranges of {len(ranges)} op(s) measured on the calibration feeds")
+    return ranges
+
+
+def _guarded_fix(
+    model: _io.ModelLike, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
+) -> tuple[_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """FixPass, then the run-time guard; rules the guard rejects are undone (the model is rebuilt
     from the caller's input without them) and the report says why."""
-    loaded, report = _fix_once(model, target, frozenset())
+    loaded, report = _fix_once(model, target, frozenset(), output_ranges)
     after = _io.in_memory_proto(loaded.model)
     if guard is None or after is None:
         return loaded, report, after
@@ -204,7 +240,7 @@ def _guarded_fix(model: _io.ModelLike, target: str, guard: Guard | None) -> tupl
             retry_report, retry_after = FixReport(target=target), _io.in_memory_proto(loaded.model)
             undone = "every rewrite"
         else:
-            loaded, retry_report = _fix_once(model, target, disabled)
+            loaded, retry_report = _fix_once(model, target, disabled, output_ranges)
             retry_after = _io.in_memory_proto(loaded.model)
             if guard.violation(retry_after, retry_report) is not None:
                 continue
@@ -240,7 +276,11 @@ def fix_with_report(
     guard = None
     if verify and before is not None:
         guard = Guard(before, calibration or [], float_model=float_proto)
-    loaded, report, after = _guarded_fix(model, target, guard)
+    notes: list[str] = []
+    output_ranges = _output_ranges(before, target, calibration, notes)
+    loaded, report, after = _guarded_fix(model, target, guard, output_ranges)
+    for note in notes:
+        report.note(note)
     if optimize_for == "latency":
         _latency_placement(loaded.model, report, calibration, latency_budget_s, threads)
         after = _io.in_memory_proto(loaded.model)

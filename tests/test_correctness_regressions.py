@@ -270,3 +270,26 @@ def test_explain_and_fix_on_an_ir_loaded_model_with_external_data(tmp_path):
     after = kenosis_rewrite.explain(fixed)
     assert after.integer_mac_fraction >= before.integer_mac_fraction
     assert after.integer_mac_fraction == 1.0
+
+
+def test_a_graph_out_of_topological_order_is_sorted_not_refused():
+    """Quark's XINT8 output: ONNX Runtime sorts on load, the ONNX checker refuses."""
+    import random  # noqa: PLC0415
+
+    from kenosis_rewrite import ort_quantize, toy_models  # noqa: PLC0415
+
+    float_model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(float_model, 4)
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    nodes = list(qdq.graph.node)
+    random.Random(0).shuffle(nodes)
+    del qdq.graph.node[:]
+    qdq.graph.node.extend(nodes)
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(qdq)
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+    onnx.checker.check_model(fixed, full_check=True)
+    assert any("topological order" in note for note in report.notes)
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
+    np.testing.assert_array_equal(_testing.outputs(fixed, feeds[0], optimized=False)[0],
+                                  _testing.outputs(qdq, feeds[0], optimized=False)[0])

@@ -1,0 +1,77 @@
+"""Tests of the output quantizer given to weighted ops that have none (NNCF/OpenVINO placement)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+import kenosis_rewrite
+from kenosis_rewrite import _testing
+from kenosis_rewrite.passes.output_quantizers import RULE_NAME, QuantizeWeightedOutputsPass, candidates, measure_output_ranges
+from kenosis_rewrite.report import FixReport
+
+# DQ -> Conv -> BN -> HardSwish -> Q: the Conv has no output quantizer (OpenVINO fuses the activation).
+MODEL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 2, 6, 6] x) => (float[1, 3, 6, 6] y)
+<float sx = {0.02}, uint8 zx = {128}, int8[3, 2, 3, 3] wq = {%s}, float[3] ws = {0.01, 0.02, 0.015},
+ int8[3] wz = {0, 0, 0}, float[3] g = {1.0, -0.5, 2.0}, float[3] b = {0.1, 0.0, -0.1}, float[3] mu = {0.0, 0.1, 0.0},
+ float[3] var = {1.0, 1.0, 0.5}, float sy = {0.03}, uint8 zy = {20}>
+{
+  q = QuantizeLinear(x, sx, zx)
+  d = DequantizeLinear(q, sx, zx)
+  w = DequantizeLinear <axis: int = 0> (wq, ws, wz)
+  c = Conv <pads: ints = [1, 1, 1, 1]> (d, w)
+  n = BatchNormalization(c, g, b, mu, var)
+  h = HardSwish(n)
+  qy = QuantizeLinear(h, sy, zy)
+  y = DequantizeLinear(qy, sy, zy)
+}
+"""
+
+
+def _model() -> onnx.ModelProto:
+    weights = np.random.default_rng(0).integers(-127, 128, 54)
+    return onnx.parser.parse_model(MODEL % ", ".join(str(int(v)) for v in weights))
+
+
+def _feeds(n: int = 4) -> list[dict]:
+    return [{"x": np.random.default_rng(seed).standard_normal((1, 2, 6, 6)).astype(np.float32)} for seed in range(n)]
+
+
+def test_the_quantizer_goes_after_the_bn_with_the_measured_range():
+    proto = _model()
+    model = ir.serde.deserialize_model(proto)
+    assert [n.op_type for n in candidates(model.graph)] == ["Conv"]
+    ranges = measure_output_ranges(proto, _feeds())
+    assert list(ranges) == ["n"]
+    report = FixReport()
+    QuantizeWeightedOutputsPass(ranges, report)(model)
+    fixed = ir.serde.serialize_model(model)
+    onnx.checker.check_model(fixed, full_check=True)
+    assert report.change_counts() == {RULE_NAME: 1}
+    q = next(n for n in fixed.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "n")
+    lo, hi = min(ranges["n"][0], 0.0), max(ranges["n"][1], 0.0)
+    assert float(_testing.initializer(fixed, q.input[1])) == np.float32((hi - lo) / 255)
+    # the stated bound: inside the measured range, one rounding of at most half a step more
+    scale = (hi - lo) / 255
+    for feed in _feeds():
+        before, after = _testing.outputs(proto, feed, optimized=False)[0], _testing.outputs(fixed, feed, optimized=False)[0]
+        hardswish_slope = 1.5  # |d HardSwish / dx| <= 1.5
+        assert np.max(np.abs(after - before)) <= hardswish_slope * scale / 2 + 0.03 + 1e-6  # + one output step
+
+
+def test_fix_with_calibration_runs_the_conv_as_an_integer_kernel_and_bn_is_folded():
+    proto = _model()
+    assert kenosis_rewrite.explain(proto).integer_mac_fraction == 0.0
+    fixed, report = kenosis_rewrite.fix(proto, calibration=_feeds(), return_report=True)
+    assert report.change_counts().get(RULE_NAME) == 1, report.summary()
+    assert report.change_counts().get("fold-batchnorm-into-conv") == 1
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
+
+
+def test_without_calibration_fix_says_what_it_needs_and_changes_nothing_there():
+    fixed, report = kenosis_rewrite.fix(_model(), return_report=True)
+    assert RULE_NAME not in report.change_counts()
+    assert any("pass calibration=" in note for note in report.notes)

@@ -1,0 +1,80 @@
+"""Tests of per-axis activation quantizers re-quantized per tensor (NNCF's depthwise-input form)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+import kenosis_rewrite
+from kenosis_rewrite import _qdq, _testing, fidelity
+from kenosis_rewrite.passes.per_tensor_activations import (
+    MIN_ESTIMATED_SQNR_DB, RULE_NAME, PerTensorActivationsPass, per_tensor_params,
+)
+from kenosis_rewrite.report import FixReport
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+
+PER_AXIS = """
+<ir_version: 8, opset_import: ["" : 13]>
+g (float[1, 3, 4, 4] x) => (float[1, 3, 4, 4] y)
+<float[3] s = {{{scales}}}, uint8[3] z = {{0, 0, 0}}, float[3, 1, 1, 1] w = {{1.0, -0.5, 2.0}}>
+{{
+  q = QuantizeLinear <axis: int = 1> (x, s, z)
+  d = DequantizeLinear <axis: int = 1> (q, s, z)
+  y = Conv <group: int = 3> (d, w)
+}}
+"""
+
+
+def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    PerTensorActivationsPass(report)(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report
+
+
+def test_close_channel_ranges_become_one_grid_covering_them_all():
+    proto = onnx.parser.parse_model(PER_AXIS.format(scales="0.01, 0.02, 0.015"))
+    fixed, report = _apply(proto)
+    assert report.change_counts() == {RULE_NAME: 1}
+    q = next(n for n in fixed.graph.node if n.op_type == "QuantizeLinear")
+    assert _testing.initializer(fixed, q.input[1]).size == 1
+    assert float(_testing.initializer(fixed, q.input[1])) == pytest.approx(0.02)
+    assert int(_testing.initializer(fixed, q.input[2])) == 0  # the clamp at 0 stays at 0
+    # inside each channel's calibrated range, each element moves by at most half the old step plus
+    # half the new one (the stated bound), times the depthwise weight
+    old_steps = np.array([0.01, 0.02, 0.015]).reshape(1, 3, 1, 1)
+    rng = np.random.default_rng(0)
+    feed = {"x": (rng.uniform(-1, 1, (1, 3, 4, 4)) * old_steps * 255).astype(np.float32)}
+    before, after = _testing.outputs(proto, feed, optimized=False)[0], _testing.outputs(fixed, feed, optimized=False)[0]
+    weights = np.abs(np.array([1.0, -0.5, 2.0])).reshape(1, 3, 1, 1)
+    assert np.all(np.abs(after - before) <= weights * (old_steps / 2 + 0.02 / 2) + 1e-6)
+    assert np.all(after[:, [0, 2]] >= 0) and np.all(after[:, 1] <= 0)  # the clamp at 0 kept
+
+
+def test_channel_ranges_far_apart_keep_their_quantizer_with_the_estimate_as_reason():
+    proto = onnx.parser.parse_model(PER_AXIS.format(scales="0.001, 0.02, 0.5"))
+    assert per_tensor_params(_qdq.quant_params(next(n for n in ir.serde.deserialize_model(proto).graph if n.op_type == "QuantizeLinear")))[2] < MIN_ESTIMATED_SQNR_DB
+    fixed, report = _apply(proto)
+    assert not report.changes
+    assert "estimated SQNR" in report.refusals[0].reason
+
+
+def test_nncf_depthwise_inputs_run_as_integer_kernels_after_fix():
+    """NNCF 3.4 output (tests/fixtures): per-channel uint8 quantizers at both depthwise-conv inputs."""
+    qdq = onnx.load(FIXTURES / "mbv2ish_nncf3.4.onnx")
+    fp32 = onnx.load(FIXTURES / "mbv2ish_fp32.onnx")
+    before = kenosis_rewrite.explain(qdq)
+    assert before.integer_mac_fraction < 0.5
+    feeds = [{"x": np.random.default_rng(seed).standard_normal((1, 3, 16, 16)).astype(np.float32)} for seed in range(6)]
+    fixed, report = kenosis_rewrite.fix(qdq, float_model=fp32, calibration=feeds, return_report=True)
+    assert report.change_counts()[RULE_NAME] == 2
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
+    scores = fidelity.compare_to_float(fp32, {"nncf": qdq, "fixed": fixed}, feeds)
+    assert scores["fixed"]["cosine"] >= scores["nncf"]["cosine"] - 0.002, scores
