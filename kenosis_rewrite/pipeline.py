@@ -201,9 +201,9 @@ def _output_ranges(before: onnx.ModelProto | None, target: str, calibration: lis
     """Ranges of weighted-op outputs that lack a quantizer, measured on the input model (ORT targets)."""
     if before is None or not get_target(target).facts.quantize_weighted_outputs:
         return {}
-    if not output_quantizers.candidates(ir.serde.deserialize_model(before).graph):
-        return {}
     count = len(output_quantizers.candidates(ir.serde.deserialize_model(before).graph))
+    if not count:
+        return {}
     if not calibration:  # a range is a fact about data: no guessing it from synthetic inputs here
         report_notes.append(
             f"{output_quantizers.RULE_NAME}: {count} Conv/MatMul/Gemm output(s) reach no quantizer, so ORT runs "
