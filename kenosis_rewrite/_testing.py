@@ -8,13 +8,25 @@ import tempfile
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from kenosis_rewrite import fidelity
+from kenosis_rewrite.report import FixReport
 
 
 def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
     return fidelity.session(model, optimized)
+
+
+def apply_pass(proto: onnx.ModelProto, make_pass) -> tuple[onnx.ModelProto, FixReport]:
+    """Run the onnx-ir pass ``make_pass(report)`` on a copy of ``proto``; the result passes full_check."""
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    make_pass(report)(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report
 
 
 def outputs(model: onnx.ModelProto, feed: dict, optimized: bool = True) -> list[np.ndarray]:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
 from kenosis_rewrite import _testing
 from kenosis_rewrite.passes.activation_hoist import RULE_NAME, ActivationBeforeDataMovementPass
-from kenosis_rewrite.report import FixReport
 
 MODEL = """
 <ir_version: 10, opset_import: ["" : 21]>
@@ -41,11 +39,7 @@ def _model(name: str) -> onnx.ModelProto:
 @pytest.mark.parametrize("name", list(CASES))
 def test_activation_moves_before_the_data_movement_exactly_and_ort_accepts_it(name):
     proto = _model(name)
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    ActivationBeforeDataMovementPass(report)(model)
-    fixed = ir.serde.serialize_model(model)
-    onnx.checker.check_model(fixed, full_check=True)
+    fixed, report = _testing.apply_pass(proto, ActivationBeforeDataMovementPass)
     assert report.change_counts() == {RULE_NAME: 1}
     order = [node.op_type for node in fixed.graph.node]
     assert order[2] in ("Relu", "Clip", "LeakyRelu") and order[3] in ("Reshape", "Flatten"), order
@@ -67,7 +61,5 @@ def test_the_original_form_is_what_ort_x86_refuses():
 def test_left_alone_when_the_moved_tensor_has_other_readers():
     proto = _model("reshape-relu")
     proto.graph.output.append(onnx.helper.make_tensor_value_info("m", onnx.TensorProto.FLOAT, [1, 36]))
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    ActivationBeforeDataMovementPass(report)(model)
+    _, report = _testing.apply_pass(proto, ActivationBeforeDataMovementPass)
     assert not report.changes

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 
 from kenosis_rewrite import _testing, ort_quantize, toy_models
@@ -13,12 +12,7 @@ from kenosis_rewrite.report import FixReport
 
 
 def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    ActivationInt8ToUint8Pass(report)(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report
+    return _testing.apply_pass(proto, ActivationInt8ToUint8Pass)
 
 
 @pytest.mark.parametrize("name", ["resnetish", "conv_silu", "concat", "matmul_relu"])

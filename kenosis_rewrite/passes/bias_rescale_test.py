@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 
 from kenosis_rewrite import _testing
 from kenosis_rewrite.passes.bias_rescale import RULE_NAME, BiasRescalePass
@@ -27,13 +26,8 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y)
 """
 
 
-def _apply(proto):
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    BiasRescalePass(report)(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report
+def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
+    return _testing.apply_pass(proto, BiasRescalePass)
 
 
 def test_stale_per_channel_bias_is_requantized_to_input_times_weight_scale():

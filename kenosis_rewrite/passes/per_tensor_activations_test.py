@@ -31,12 +31,7 @@ g (float[1, 3, 4, 4] x) => (float[1, 3, 4, 4] y)
 
 
 def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    PerTensorActivationsPass(report)(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report
+    return _testing.apply_pass(proto, PerTensorActivationsPass)
 
 
 def test_close_channel_ranges_become_one_grid_covering_them_all():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 
 from kenosis_rewrite import _testing
@@ -26,13 +25,8 @@ g (float[1,2,8,8] x) => (float[1,2,{out}] y)
 """
 
 
-def _apply(proto):
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    PassThroughQParamsPass(report)(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report
+def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
+    return _testing.apply_pass(proto, PassThroughQParamsPass)
 
 
 @pytest.mark.parametrize(

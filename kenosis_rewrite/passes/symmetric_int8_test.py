@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 
 from kenosis_rewrite import _testing, fidelity, ort_quantize, toy_models
@@ -12,13 +11,8 @@ from kenosis_rewrite.passes.symmetric_int8 import RULE_NAME, SymmetricActivation
 from kenosis_rewrite.report import FixReport
 
 
-def _apply(proto):
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    SymmetricActivationsPass(report)(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report
+def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
+    return _testing.apply_pass(proto, SymmetricActivationsPass)
 
 
 def test_range_is_kept_and_zero_point_is_zero():
