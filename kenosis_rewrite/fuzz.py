@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import logging
 import multiprocessing
 import os
 import signal
@@ -49,6 +48,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite.guard import cosine_floor
+from kenosis_rewrite.ort_quantize import _quiet_root_logger
 
 __all__ = [
     "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "CaseResult", "Failure", "TargetResult",
@@ -651,15 +651,9 @@ def _static_kwargs(config: dict) -> dict:
 @contextlib.contextmanager
 def _silenced():
     """quantize_static logs warnings and its histogram calibrators print: keep the fuzz output readable."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        root.setLevel(level)
+    with _quiet_root_logger(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _quantize(fp32: onnx.ModelProto, config: dict, feeds) -> tuple[onnx.ModelProto | None, str | None]:

@@ -81,8 +81,8 @@ class CleanupPass(ir.passes.InPlacePass):
         for node in model.graph:
             # The zero point fixes a Q's type; a redundant output_dtype goes stale when ORT's own
             # int8 -> uint8 transformer retypes the zero point (ORT then refuses the model).
-            if _qdq.is_quantize(node) and "output_dtype" in node.attributes and _qdq.quant_params(node) is not None \
-                    and len(node.inputs) > 2 and node.inputs[2] is not None:
+            if _qdq.is_quantize(node) and "output_dtype" in node.attributes and len(node.inputs) > 2 \
+                    and node.inputs[2] is not None:
                 del node.attributes["output_dtype"]
         taken = {node.name for node in model.graph if node.name}
         for index, node in enumerate(model.graph):
@@ -187,9 +187,10 @@ def _latency_placement(
 
 
 def _fix_once(
-    model: _io.ModelLike, target: str, disabled: frozenset[str], output_ranges: Mapping | None = None,
+    model: _io.ModelLike | _io.LoadedModel, target: str, disabled: frozenset[str], output_ranges: Mapping | None = None,
 ) -> tuple[_io.LoadedModel, FixReport]:
-    loaded = _io.load(model)
+    """FixPass on a fresh private copy of ``model`` (or on ``model`` itself when it is one already)."""
+    loaded = model if isinstance(model, _io.LoadedModel) else _io.load(model)
     report = FixReport(target=target)
     for note in loaded.notes:
         report.note(note)
@@ -220,11 +221,12 @@ def _output_ranges(before: onnx.ModelProto | None, target: str, calibration: lis
 
 
 def _guarded_fix(
-    model: _io.ModelLike, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
+    model: _io.ModelLike, first: _io.LoadedModel, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
 ) -> tuple[_io.LoadedModel, FixReport, onnx.ModelProto | None]:
-    """FixPass, then the run-time guard; rules the guard rejects are undone (the model is rebuilt
-    from the caller's input without them) and the report says why."""
-    loaded, report = _fix_once(model, target, frozenset(), output_ranges)
+    """FixPass on ``first`` (the caller's ``model``, loaded), then the run-time guard; rules the guard
+    rejects are undone (the model is loaded again from the caller's input and rebuilt without them)
+    and the report says why."""
+    loaded, report = _fix_once(first, target, frozenset(), output_ranges)
     after = _io.in_memory_proto(loaded.model)
     if guard is None or after is None:
         return loaded, report, after
@@ -269,7 +271,8 @@ def fix_with_report(
     if optimize_for not in OPTIMIZE_FOR:
         raise KenosisError(f"optimize_for must be one of {OPTIMIZE_FOR}, got {optimize_for!r}")
     calibration = list(calibration) if calibration is not None else None
-    before = _io.in_memory_proto(_io.load(model).model)
+    first = _io.load(model)
+    before = _io.in_memory_proto(first.model)
     float_proto = None
     if float_model is not None:
         float_proto = _io.to_output(_io.LoadedModel(_io.load(float_model, require_qdq=False).model, "proto"))
@@ -278,7 +281,7 @@ def fix_with_report(
         guard = Guard(before, calibration or [], float_model=float_proto)
     notes: list[str] = []
     output_ranges = _output_ranges(before, target, calibration, notes)
-    loaded, report, after = _guarded_fix(model, target, guard, output_ranges)
+    loaded, report, after = _guarded_fix(model, first, target, guard, output_ranges)
     for note in notes:
         report.note(note)
     if optimize_for == "latency":

@@ -69,9 +69,6 @@ class Interval:
 
         return Interval(clip(self.lo), clip(self.hi))
 
-    def contains(self, other: Interval) -> bool:
-        return self.lo <= other.lo and other.hi <= self.hi
-
 
 def is_pass_through(node: ir.Node | None) -> bool:
     """True when every value ``node``'s first output holds is a value of its first input."""
