@@ -14,7 +14,7 @@ ONNX Runtime on the input model (:func:`measure_output_ranges`).
 Why: ORT CPU fuses ``DQ -> Conv -> Q`` (optionally with a Relu/Clip before the Q) into QLinearConv,
 and the same for MatMul/Gemm; without a Q after the op it runs the op in float on dequantized
 tensors. OpenVINO fuses Conv with the activation after it, so NNCF places no Q there; on ORT CPU a
-PP-LCNet quantized by NNCF runs every Conv in float (0% integer MACs, 0.34x FP32).
+PP-LCNet quantized by NNCF 3.4 runs every Conv in float (explain(): 0% integer MACs).
 
 Exactness: approximate. One rounding step more, at most half a step of the new grid per element
 inside the calibrated range, and a clamp at its bounds. ``fix()``'s run-time guard measures the

@@ -11,7 +11,7 @@ where ``[lo, hi]`` is the union of the channels' ranges, ``lo = min_c s_c (qmin 
 Why: ORT CPU has no integer kernel that takes a per-axis activation (QLinearConv, QLinearMatMul and
 their selectors want a scalar input scale). NNCF puts per-channel quantizers at the inputs of
 depthwise convolutions, and every one of those Convs then runs in float between a per-axis DQ and
-its output Q (measured: its MobileNetV2 runs at 0.35x FP32 on ORT CPU).
+its output Q (measured: its MobileNetV2 runs at 0.35x FP32 on ORT CPU, shared research peers.md).
 
 Exactness: approximate. Every value any channel could represent stays inside the new range (no new
 clamp at the tensor's bounds; a channel whose calibrated range was narrower loses that narrower
