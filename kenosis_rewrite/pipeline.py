@@ -26,7 +26,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter import RewriteRuleSet
 
-from kenosis_rewrite import _io, _qdq
+from kenosis_rewrite import _io, _qdq, _timing
 from kenosis_rewrite.errors import KenosisError, RewriteError
 from kenosis_rewrite.guard import Guard, candidate_undos
 from kenosis_rewrite.passes import output_quantizers
@@ -251,6 +251,11 @@ def _guarded_fix(
             Refusal(rule, "whole model", f"undone by the run-time guard: {problem}") for rule in sorted(disabled or ())
         ]
         retry_report.note(f"run-time guard: {problem}; undone: {undone}")
+        if target.startswith("ort-cpu") and _timing.u8s8_saturates():
+            retry_report.note(
+                "this host is x86 without VNNI: ORT's uint8 x int8 kernels saturate int16 pair sums here, so "
+                "integer kernels lose accuracy that the same graph keeps on a VNNI host (measure there before deploying)"
+            )
         return loaded, retry_report, retry_after
     raise AssertionError("unreachable")
 

@@ -37,6 +37,7 @@ from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.passes.constant_quantize import FoldConstantQuantizePass
 from kenosis_rewrite.passes.contrib_qdq import ContribQDQToStandardPass
 from kenosis_rewrite.passes.dequantize import DequantizeBiasPass
+from kenosis_rewrite.passes.activation_scale_folding import FoldPerChannelActivationScalesPass
 from kenosis_rewrite.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.passes.qdq_propagation import DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
@@ -106,7 +107,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -119,7 +120,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="cited: QDQIsInt8Allowed() under MLAS_TARGET_ARM_ANY (onnxruntime qdq_selector_action_transformer.h)",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), PerTensorActivationsPass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -133,7 +134,7 @@ TARGETS: dict[str, Target] = {
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
         pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), PerTensorActivationsPass(report),
+            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
             SymmetricActivationsPass(report, TENSORRT_FUSIBLE),
         ],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
@@ -152,7 +153,7 @@ TARGETS: dict[str, Target] = {
             basis="research: positive homogeneity f(a x) = a f(x), a > 0; Quark's DPU placement Conv -> Relu -> Q -> DQ",
         ),
         pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), PerTensorActivationsPass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
+            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
         ],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=_ort_post,

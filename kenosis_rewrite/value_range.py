@@ -104,17 +104,19 @@ def activation_bounds(node: ir.Node) -> tuple[float | None, float | None] | str:
 def absorbed_by_quantizer(activation: ir.Node, params: _qdq.QuantParams) -> bool:
     """ORT's ReluQuantFusion / ClipQuantFusion test: the Q's own clamp makes ``activation`` redundant.
 
-    A Relu when the zero point is qmin; a Clip when both bounds round outside the Q's range.
+    A Relu when the zero point is qmin; a Clip when both bounds round outside the Q's range. For
+    per-axis parameters, on every channel.
     """
     limits = activation_bounds(activation)
-    if isinstance(limits, str) or not params.is_per_tensor:
+    if isinstance(limits, str) or params.block_size:
         return False
     lo, hi = limits
-    scale, zero_point = params.scalar_scale, params.scalar_zero_point
+    scale = params.scale.astype(np.float64).reshape(-1)
+    zero_point = params.zero_point.astype(np.int64).reshape(-1)
     if activation.op_type == "Relu":
-        return zero_point == params.qmin
-    lo_ok = lo is None or np.rint(lo / scale) + zero_point <= params.qmin
-    hi_ok = hi is None or np.rint(hi / scale) + zero_point >= params.qmax
+        return bool(np.all(zero_point == params.qmin))
+    lo_ok = lo is None or np.all(np.rint(lo / scale) + zero_point <= params.qmin)
+    hi_ok = hi is None or np.all(np.rint(hi / scale) + zero_point >= params.qmax)
     return bool(lo_ok and hi_ok)
 
 

@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, fidelity, ort_quantize, zoo
+from kenosis_rewrite import _testing, _timing, fidelity, ort_quantize, zoo
 
 from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
 
@@ -45,10 +45,13 @@ def test_fix_on_real_model(name, cases):
     if integer_share is not None:
         assert after.integer_mac_fraction == pytest.approx(integer_share), after.summary()
     optimized = _testing.ort_optimized_op_types(fixed)
+    undone_here = _timing.u8s8_saturates() and any("without VNNI" in note for note in report.notes)
     for op in removed:
-        assert op in _testing.ort_optimized_op_types(qdq) and op not in optimized
+        assert op in _testing.ort_optimized_op_types(qdq)
+        assert op not in optimized or undone_here, report.summary()  # a saturating host may refuse the fold
     # Real photos the quantizer did not see: never less faithful to FP32 than quantize_static's model.
-    assert report.fidelity["fixed"]["cosine"] >= report.fidelity["input"]["cosine"] - 1e-3, report.summary()
+    tolerance = _testing.saturation_tolerance(1e-3)
+    assert report.fidelity["fixed"]["cosine"] >= report.fidelity["input"]["cosine"] - tolerance, report.summary()
     assert report.fidelity["fixed"]["sqnr_db"] >= report.fidelity["input"]["sqnr_db"] - 0.3, report.summary()
 
 
