@@ -214,13 +214,16 @@ def test_stability_note_warns_when_the_machine_changed_speed(toy_result):
     assert "Stability:" in toy_result.to_markdown() and "Stability:" in toy_result.to_html()
     variant = toy_result.variants[0]
     steady_note = toy_result.stability_note()
-    original = variant.latency
-    try:
+    originals = [v.latency for v in toy_result.variants]
+    try:  # the others steady, so that the measured machine's own drift cannot decide the note
+        for other in toy_result.variants[1:]:
+            other.latency = bench.LatencyStats.from_seconds([0.010] * 10)
         variant.latency = bench.LatencyStats.from_seconds([0.010] * 5 + [0.013] * 5)
         note = toy_result.stability_note()
         assert f"({variant.name})" in note and "re-run on an idle machine" in note
     finally:
-        variant.latency = original
+        for other, original in zip(toy_result.variants, originals):
+            other.latency = original
     assert toy_result.stability_note() == steady_note
 
 
