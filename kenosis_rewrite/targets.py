@@ -39,7 +39,7 @@ from kenosis_rewrite.passes.contrib_qdq import ContribQDQToStandardPass
 from kenosis_rewrite.passes.dequantize import DequantizeBiasPass
 from kenosis_rewrite.passes.activation_scale_folding import FoldPerChannelActivationScalesPass
 from kenosis_rewrite.passes.per_tensor_activations import PerTensorActivationsPass
-from kenosis_rewrite.passes.qdq_propagation import DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
+from kenosis_rewrite.passes.qdq_propagation import DequantizeAfterSplitPass, DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
 from kenosis_rewrite.passes.symmetric_int8 import SymmetricActivationsPass
 from kenosis_rewrite.report import FixReport
@@ -107,7 +107,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -120,7 +120,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="cited: QDQIsInt8Allowed() under MLAS_TARGET_ARM_ANY (onnxruntime qdq_selector_action_transformer.h)",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), DequantizeAfterSplitPass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),

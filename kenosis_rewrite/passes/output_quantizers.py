@@ -6,7 +6,13 @@ reaches no QuantizeLinear (NNCF and OpenVINO-style placement: ``DQ -> Conv -> Ha
     DQ(x) -> W(., DQ(w)) -> consumers       ==>     DQ(x) -> W(., DQ(w)) -> Q(s, z) -> DQ(s, z) -> consumers
 
 (after the BatchNormalization that alone reads a Conv's output, when there is one, so that
-``fold-batchnorm-into-conv`` folds it)
+``fold-batchnorm-into-conv`` folds it). A data input dequantized before a Split counts as
+dequantized (``move-dq-past-split`` moves that DQ). When the data input is a Concat of dequantized
+tensors with no quantizer after it (NNCF's YOLOv8 C2f blocks), the Concat output gets one too::
+
+    DQ(a), DQ(b) -> Concat -> W      ==>     DQ(a), DQ(b) -> Concat -> Q(s, z) -> DQ(s, z) -> W
+
+which ORT runs as QLinearConcat feeding the integer op.
 with ``(s, z)`` the asymmetric grid of the data input's type over ``[min(lo, 0), max(hi, 0)]``, the
 range the op's output took on calibration feeds (the caller's, else synthetic ones), measured with
 ONNX Runtime on the input model (:func:`measure_output_ranges`).
@@ -26,6 +32,7 @@ output, or has no measured range; ops whose data input is not a per-tensor 8-bit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -39,13 +46,38 @@ RULE_NAME = "quantize-weighted-outputs"
 _PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
 
 
-def _data_input_params(node: ir.Node) -> _qdq.QuantParams | None:
-    dq = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
-    weight = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    if not (_qdq.is_dequantize(dq) and _qdq.is_dequantize(weight)) or _qdq.const_array(weight.inputs[0]) is None:
+def _dequantized_params(value: ir.Value | None) -> _qdq.QuantParams | None:
+    """Per-tensor 8-bit parameters of the DQ writing ``value``, seen through a Split
+    (``move-dq-past-split`` then puts a DQ right at ``value``)."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Split" and node.inputs[0] is not None:
+        node = node.inputs[0].producer()
+    if not _qdq.is_dequantize(node):
         return None
-    params = _qdq.quant_params(dq)
+    params = _qdq.quant_params(node)
     return params if params is not None and params.is_per_tensor and params.dtype in _qdq.EIGHT_BIT else None
+
+
+def _concat_of_dequantized(value: ir.Value | None) -> _qdq.QuantParams | None:
+    """The parameters of the first input when ``value`` is a Concat of dequantized 8-bit tensors of one type."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Concat" or node.domain not in _qdq.DEFAULT_DOMAINS or not node.inputs:
+        return None
+    params = [_dequantized_params(v) for v in node.inputs]
+    if any(p is None for p in params) or len({p.dtype for p in params}) != 1:
+        return None
+    return params[0]
+
+
+def _has_weight(node: ir.Node) -> bool:
+    weight = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    return _qdq.is_dequantize(weight) and _qdq.const_array(weight.inputs[0]) is not None
+
+
+def _data_input_params(node: ir.Node) -> _qdq.QuantParams | None:
+    if not node.inputs or not _has_weight(node):
+        return None
+    return _dequantized_params(node.inputs[0])
 
 
 def _reaches_quantizer(value: ir.Value) -> bool:
@@ -69,24 +101,50 @@ def quantizer_site(node: ir.Node) -> ir.Value:
     return output
 
 
-def candidates(graph: ir.Graph) -> list[ir.Node]:
-    """The weighted ops with dequantized inputs whose output reaches no Q (top-level graph)."""
-    found = []
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A float tensor next to a weighted op that needs a Q/DQ for ORT to run the op integer."""
+
+    value: ir.Value
+    like: _qdq.QuantParams  # the grid type to use (the op's data input's)
+    op: ir.Node
+    kind: str  # "output" or "input"
+
+
+def _open(value: ir.Value) -> bool:
+    return bool(value.name) and not value.is_graph_output() and bool(value.uses()) and not _reaches_quantizer(value)
+
+
+def sites(graph: ir.Graph) -> list[Site]:
+    """The tensors of weighted ops (top-level graph) that miss a quantizer: the output of an op whose
+    data input is dequantized, and the data input itself when it is a Concat of dequantized tensors
+    (NNCF leaves Concat outputs float; ORT fuses DQs -> Concat -> Q into QLinearConcat)."""
+    found, seen = [], set()
     for node in graph:
-        if node.op_type not in _qdq.WEIGHTED_OPS or node.domain not in _qdq.DEFAULT_DOMAINS:
+        if node.op_type not in _qdq.WEIGHTED_OPS or node.domain not in _qdq.DEFAULT_DOMAINS or not _has_weight(node):
             continue
+        like = _dequantized_params(node.inputs[0])
+        concat = _concat_of_dequantized(node.inputs[0]) if like is None else None
+        if concat is not None and _open(node.inputs[0]) and node.inputs[0] not in seen:
+            found.append(Site(node.inputs[0], concat, node, "input"))
+            seen.add(node.inputs[0])
+        like = like or concat
         site = quantizer_site(node)
-        if site.is_graph_output() or not site.uses() or _reaches_quantizer(site) or _reaches_quantizer(node.outputs[0]):
-            continue
-        if _data_input_params(node) is not None and site.name:
-            found.append(node)
+        if like is not None and _open(site) and not _reaches_quantizer(node.outputs[0]) and site not in seen:
+            found.append(Site(site, like, node, "output"))
+            seen.add(site)
     return found
+
+
+def candidates(graph: ir.Graph) -> list[ir.Node]:
+    """The weighted ops one of whose tensors :func:`sites` would quantize."""
+    return list(dict.fromkeys(site.op for site in sites(graph)))
 
 
 def measure_output_ranges(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, tuple[float, float]]:
     """``{output name: (lo, hi)}`` of every candidate op of ``model`` over ``feeds`` (ONNX Runtime)."""
     graph = ir.serde.deserialize_model(model).graph
-    names = [quantizer_site(node).name for node in candidates(graph)]
+    names = [site.value.name for site in sites(graph)]
     if not names or not feeds:
         return {}
     augmented = onnx.ModelProto()
@@ -116,24 +174,23 @@ class QuantizeWeightedOutputsPass(ReportingPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, modified = model.graph, False
-        for node in candidates(graph):
-            output = quantizer_site(node)
-            if output.name not in self.ranges:
-                self.refused(node.name or node.op_type, "no range measured for its output")
+        for site in sites(graph):
+            where = site.op.name or site.op.op_type
+            if site.value.name not in self.ranges:
+                self.refused(where, f"no range measured for its {site.kind} {site.value.name!r}")
                 continue
-            modified |= self._insert(graph, node, _data_input_params(node), *self.ranges[output.name])
+            modified |= self._insert(graph, site, *self.ranges[site.value.name])
         return ir.passes.PassResult(model, modified=modified)
 
-    def _insert(self, graph: ir.Graph, node: ir.Node, like: _qdq.QuantParams, lo: float, hi: float) -> bool:
-        """Q/DQ on ``node``'s quantizer site (:func:`quantizer_site`) over ``[lo, hi]``."""
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    def _insert(self, graph: ir.Graph, site: Site, lo: float, hi: float) -> bool:
+        """Q/DQ on ``site`` over ``[lo, hi]`` in its grid type."""
+        lo, hi, like = min(lo, 0.0), max(hi, 0.0), site.like
         if hi <= lo:
             return False
         levels = like.qmax - like.qmin
         scale = np.float32((hi - lo) / levels)
         zero_point = int(np.clip(np.rint(like.qmin - lo / float(scale)), like.qmin, like.qmax))
-        site = quantizer_site(node)
-        producer, output = site.producer(), site
+        producer, output = site.value.producer(), site.value
         base = output.name
         scale_name = _qdq.unique_name(graph, f"{base}_output_scale")
         scale_value = _qdq.add_initializer(graph, ir.tensor(np.asarray(scale, np.float32), name=scale_name), scale_name)
@@ -148,6 +205,6 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         graph.insert_after(producer, [quantize, dequantize])
         for user, index in readers:
             user.replace_input_with(index, dequantize.outputs[0])
-        self.changed(node.name or node.op_type, f"output quantizer {like.dtype.name.lower()} s={float(scale):.6g} "
+        self.changed(site.op.name or site.op.op_type, f"{site.kind} quantizer {like.dtype.name.lower()} s={float(scale):.6g} "
                      f"zp={zero_point} over the measured range [{lo:.4g}, {hi:.4g}]", exact=False)
         return True

@@ -82,3 +82,36 @@ def test_without_calibration_fix_says_what_it_needs_and_changes_nothing_there():
     fixed, report = kenosis_rewrite.fix(_model(), return_report=True)
     assert RULE_NAME not in report.change_counts()
     assert any("pass calibration=" in note for note in report.notes)
+
+
+# NNCF's YOLOv8 C2f form: two dequantized tensors concatenated, read by a Conv; nothing quantizes the Concat.
+CONCAT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 2, 6, 6] x) => (float[1, 3, 6, 6] y)
+<float sa = {0.02}, float sb = {0.05}, uint8 za = {128}, int8[3, 4, 1, 1] wq = {5, -3, 7, 1, -2, 4, 6, -8, 3, 3, -1, 2},
+ float ws = {0.05}, int8 wz = {0}, float sy = {0.03}, uint8 zy = {128}>
+{
+  qa = QuantizeLinear(x, sa, za)
+  da = DequantizeLinear(qa, sa, za)
+  e = Exp(x)
+  qb = QuantizeLinear(e, sb, za)
+  db = DequantizeLinear(qb, sb, za)
+  cat = Concat <axis: int = 1> (da, db)
+  w = DequantizeLinear(wq, ws, wz)
+  c = Conv(cat, w)
+  s = Sigmoid(c)
+  y = Mul(c, s)
+}
+"""
+
+
+def test_a_concat_of_dequantized_tensors_feeding_a_conv_gets_an_input_quantizer():
+    proto = onnx.parser.parse_model(CONCAT)
+    feeds = [{"x": np.random.default_rng(seed).uniform(-1, 1, (1, 2, 6, 6)).astype(np.float32)} for seed in range(4)]
+    ranges = measure_output_ranges(proto, feeds)
+    assert set(ranges) == {"cat", "c"}  # the Concat output (input site) and the Conv output
+    fixed, report = kenosis_rewrite.fix(proto, calibration=feeds, return_report=True, verify=False)
+    assert report.change_counts().get(RULE_NAME) == 2, report.summary()
+    optimized = _testing.ort_optimized_op_types(fixed)
+    assert optimized["QLinearConcat"] == 1 and optimized["QLinearConv"] == 1 and optimized["Conv"] == 0
+    assert _testing.graph_cosine(proto, fixed, feeds) > 0.999

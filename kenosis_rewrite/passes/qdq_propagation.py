@@ -13,6 +13,9 @@ parameters.
   Exact. (MaxPool on 8-bit tensors needs opset >= 12 and has no 16-bit kernel; refused there.)
 * **Q backward**: ``P -> Q(s, z)``  ==>  ``Q(s, z) -> P``. Same proof: Q is elementwise and
   non-decreasing (rounding then clamping), so it commutes with selection and with max. Exact.
+* **DQ past Split**: ``DQ(q; s, z) -> Split -> y_i``  ==>  ``Split(q) -> DQ(.; s, z) -> y_i``, one DQ
+  per used output. Split only selects elements; exact by the same proof. NNCF writes
+  ``Q -> DQ -> Split -> Conv`` (YOLOv8's C2f blocks); ORT fuses a Conv only when a DQ feeds it directly.
 * **Redundant pairs**: ``DQ(s, z) -> Q(s, z)`` with identical parameters and type is the identity
   on the quantized tensor (``rint((q - z) s / s) + z = q``, already in range), so consumers of the
   Q read the DQ's input. Exact. Together with DQ forward this also removes ``Q -> DQ -> Q -> DQ``.
@@ -106,6 +109,45 @@ class DequantizeForwardPass(ReportingPass):
         graph.insert_after(moved, dequantize)
         _redirect(node.outputs[0], dequantize.outputs[0])
         self.changed(node.name or node.op_type, f"{node.op_type} now runs on the quantized tensor", exact=True)
+        return True
+
+
+class DequantizeAfterSplitPass(ReportingPass):
+    """``DQ -> Split`` ==> ``Split -> DQ`` on each used output; see the module docstring."""
+
+    rule_name = "move-dq-past-split"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, modified, names = model.graph, False, None
+        for node in list(graph):
+            if node.op_type == "Split" and node.domain in ("", "ai.onnx") and node.graph is not None:
+                names = names or _qdq.NameAllocator(graph)
+                modified |= self._move(graph, node, names)
+        remove_unused_nodes(model, modified)
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _move(self, graph: ir.Graph, split: ir.Node, names: _qdq.NameAllocator) -> bool:
+        dq = split.inputs[0].producer() if split.inputs and split.inputs[0] is not None else None
+        params = _qdq.quant_params(dq) if _qdq.is_dequantize(dq) else None
+        if params is None or not params.is_per_tensor:
+            return False
+        moved = ir.Node(
+            split.domain, "Split", [dq.inputs[0], *split.inputs[1:]], attributes=list(split.attributes.values()),
+            num_outputs=len(split.outputs), name=names.fresh(f"{split.name or 'Split'}_q"),
+        )
+        graph.insert_after(split, moved)
+        anchor = moved
+        for old, new in zip(split.outputs, moved.outputs):
+            if not old.uses() and not old.is_graph_output():
+                continue
+            dequantize = ir.Node(
+                "", "DequantizeLinear", [new, *dq.inputs[1:]], attributes=list(dq.attributes.values()),
+                name=names.fresh(f"{dq.name or 'DequantizeLinear'}_split"),
+            )
+            graph.insert_after(anchor, dequantize)
+            anchor = dequantize
+            _redirect(old, dequantize.outputs[0])
+        self.changed(split.name or "Split", "Split now runs on the quantized tensor", exact=True)
         return True
 
 

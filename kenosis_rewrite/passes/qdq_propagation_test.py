@@ -79,3 +79,38 @@ def test_redundant_pair_with_different_parameters_is_kept():
     out = _apply(proto, DequantizeForwardPass(), RedundantQDQPass())
     assert _testing.op_types(out)["QuantizeLinear"] == 2  # requantization stays
     np.testing.assert_array_equal(_testing.outputs(out, _feed())[0], _testing.outputs(proto, _feed())[0])
+
+
+SPLIT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,4,4,4] x) => (float[1,2,4,4] y, float[1,2,4,4] t)
+<float s = {0.05}, uint8 z = {128}, int64[2] parts = {2, 2}, int8[2,2,1,1] wq = {3, -7, 5, 2}, float ws = {0.1}, int8 wz = {0}>
+{
+  q = QuantizeLinear(x, s, z)
+  d = DequantizeLinear(q, s, z)
+  a, b = Split <axis: int = 1> (d, parts)
+  w = DequantizeLinear(wq, ws, wz)
+  c = Conv(a, w)
+  t = Identity(b)
+  qy = QuantizeLinear(c, s, z)
+  y = DequantizeLinear(qy, s, z)
+}
+"""
+
+
+def test_split_runs_on_the_quantized_tensor_with_one_dq_per_used_output_exactly():
+    from kenosis_rewrite.passes.qdq_propagation import DequantizeAfterSplitPass  # noqa: PLC0415
+
+    proto = onnx.parser.parse_model(SPLIT)
+    out, report = _testing.apply_pass(proto, DequantizeAfterSplitPass)
+    assert report.change_counts() == {"move-dq-past-split": 1}
+    split = next(n for n in out.graph.node if n.op_type == "Split")
+    assert split.input[0] == "q"  # reads the quantized tensor
+    readers = {n.op_type for n in out.graph.node if set(n.input) & set(split.output)}
+    assert readers == {"DequantizeLinear"}
+    conv = next(n for n in out.graph.node if n.op_type == "Conv")
+    assert _testing.producer_of(out, conv.input[0]).op_type == "DequantizeLinear"  # ORT can fuse the Conv
+    assert _testing.ort_optimized_op_types(out)["QLinearConv"] == 1
+    feed = {"x": np.random.default_rng(1).uniform(-6, 6, (1, 4, 4, 4)).astype(np.float32)}
+    for before, after in zip(_testing.outputs(proto, feed, optimized=False), _testing.outputs(out, feed, optimized=False)):
+        np.testing.assert_array_equal(before, after)
