@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, _timing
+from kenosis_rewrite import _testing, _timing, fidelity
 from kenosis_rewrite.passes.output_quantizers import RULE_NAME, QuantizeWeightedOutputsPass, candidates, measure_output_ranges
 from kenosis_rewrite.report import FixReport
 
@@ -115,3 +117,28 @@ def test_a_concat_of_dequantized_tensors_feeding_a_conv_gets_an_input_quantizer(
     optimized = _testing.ort_optimized_op_types(fixed)
     assert optimized["QLinearConcat"] == 1 and optimized["QLinearConv"] == 1 and optimized["Conv"] == 0
     assert _testing.graph_cosine(proto, fixed, feeds) > 0.999
+
+
+def test_nncf_c2f_block_runs_all_integer_after_fix_and_keeps_nncf_fidelity():
+    """NNCF 3.4 output of a YOLOv8 C2f-style block (tests/fixtures): DQ before Split, float Concat, no output Qs."""
+    fixtures = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+    qdq, fp32 = onnx.load(fixtures / "c2fish_nncf3.4.onnx"), onnx.load(fixtures / "c2fish_fp32.onnx")
+    assert kenosis_rewrite.explain(qdq).integer_mac_fraction == 0.0
+    rng = np.random.default_rng(7)
+    feeds = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(8)]
+    calibration, held_out = feeds[:6], feeds[6:]
+    # the rules' own result, and what the graph computes
+    fixed, report = kenosis_rewrite.fix(qdq, float_model=fp32, calibration=calibration, return_report=True, verify=False)
+    counts = report.change_counts()
+    assert counts.get("move-dq-past-split") == 1 and counts.get(RULE_NAME) == 6, report.summary()
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
+    assert _testing.ort_optimized_op_types(fixed)["QLinearConcat"] == 1
+    assert _testing.graph_cosine(fp32, fixed, held_out) >= _testing.graph_cosine(fp32, qdq, held_out) - 0.002
+    # as this host runs it, with the guard: kept where the integer kernels reproduce the graph
+    guarded, guarded_report = kenosis_rewrite.fix(qdq, float_model=fp32, calibration=calibration, return_report=True)
+    if _timing.u8s8_saturates() and RULE_NAME not in guarded_report.change_counts():
+        assert any("without VNNI" in note for note in guarded_report.notes), guarded_report.summary()
+        return
+    assert guarded.SerializeToString() == fixed.SerializeToString()
+    scores = fidelity.compare_to_float(fp32, {"nncf": qdq, "fixed": guarded}, held_out)
+    assert scores["fixed"]["cosine"] >= scores["nncf"]["cosine"] - _testing.saturation_tolerance(0.002), scores
