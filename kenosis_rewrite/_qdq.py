@@ -187,6 +187,22 @@ def add_initializer(graph: ir.Graph, tensor: ir.Tensor, name: str) -> ir.Value:
     return value
 
 
+def set_per_tensor_params(
+    graph: ir.Graph, nodes, scale: float, zero_point: int, like: QuantParams, base: str, names: NameAllocator,
+) -> None:
+    """Give the Q/DQ ``nodes`` the per-tensor parameters ``(scale, zero_point)`` in ``like``'s types
+    (new initializers ``{base}_scale`` / ``{base}_zero_point``; any ``axis`` attribute dropped)."""
+    scale_name, zp_name = names.fresh(f"{base}_scale"), names.fresh(f"{base}_zero_point")
+    scale_value = add_initializer(graph, ir.tensor(np.asarray(scale, dtype=like.scale.dtype), name=scale_name), scale_name)
+    zp_value = add_initializer(graph, integer_tensor(np.asarray(zero_point), like.dtype, zp_name), zp_name)
+    for node in nodes:
+        node.replace_input_with(1, scale_value)
+        if len(node.inputs) < 3:
+            node.resize_inputs(3)
+        node.replace_input_with(2, zp_value)
+        node.attributes.pop("axis", None)
+
+
 def graph_value_names(graph: ir.Graph) -> set[str]:
     """Every value and initializer name of ``graph`` (top level)."""
     names = set(graph.initializers)

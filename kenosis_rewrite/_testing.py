@@ -34,14 +34,9 @@ def outputs(model: onnx.ModelProto, feed: dict, optimized: bool = True) -> list[
 
 
 def graph_cosine(float_model: onnx.ModelProto, model: onnx.ModelProto, feeds) -> float:
-    """Mean cosine against FP32 of what ``model``'s graph computes: ORT with graph optimizations off,
+    """Cosine against FP32 of what ``model``'s graph computes: ORT with graph optimizations off,
     so no host-dependent integer kernel (see ``_timing.u8s8_saturates``) enters the comparison."""
-    scores = []
-    for feed in feeds:
-        reference = outputs(float_model, feed, optimized=False)
-        candidate = outputs(model, feed, optimized=False)
-        scores.append(np.mean([fidelity.cosine(a, b) for a, b in zip(reference, candidate)]))
-    return float(np.mean(scores))
+    return fidelity.compare_to_float(float_model, {"model": model}, feeds, optimized=False)["model"]["cosine"]
 
 
 def saturation_tolerance(strict: float) -> float:

@@ -65,16 +65,18 @@ def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSess
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
     try:
-        return session(model)
+        return session(model, optimized)
     except Exception as error:  # noqa: BLE001 - any ORT failure becomes one typed error
         raise RuntimeMeasurementError(f"ONNX Runtime could not load the model: {error}") from None
 
 
-def run(model: onnx.ModelProto, feeds: Iterable[Mapping[str, np.ndarray]]) -> list[list[np.ndarray]]:
-    """Outputs of ``model`` on each feed (ORT CPU, one thread)."""
-    session = _session(model)
+def run(
+    model: onnx.ModelProto, feeds: Iterable[Mapping[str, np.ndarray]], optimized: bool = True,
+) -> list[list[np.ndarray]]:
+    """Outputs of ``model`` on each feed (ORT CPU, one thread; ``optimized=False``: the graph as written)."""
+    session = _session(model, optimized)
     try:
         return [session.run(None, dict(feed)) for feed in feeds]
     except Exception as error:  # noqa: BLE001
@@ -122,10 +124,12 @@ def compare_to_float(
     float_model: _io.ModelLike,
     candidates: Mapping[str, onnx.ModelProto],
     feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
+    optimized: bool = True,
 ) -> dict[str, dict[str, float]]:
-    """Fidelity of each candidate's float outputs against FP32 (see ``_scores``)."""
+    """Fidelity of each candidate's float outputs against FP32 (see ``_scores``). ``optimized=False``
+    compares what the graphs compute, without ORT's (host-dependent) integer kernels."""
     loaded = _io.load(float_model, require_qdq=False)
     reference_model = _io.to_output(_io.LoadedModel(loaded.model, "proto"))
     feeds = list(feeds) if feeds is not None else random_feeds(reference_model)
-    reference = run(reference_model, feeds)
-    return {name: _scores(reference, run(model, feeds)) for name, model in candidates.items()}
+    reference = run(reference_model, feeds, optimized)
+    return {name: _scores(reference, run(model, feeds, optimized)) for name, model in candidates.items()}

@@ -138,7 +138,7 @@ class FoldPerChannelActivationScalesPass(ReportingPass):
         if _qdq.const_array(weight.inputs[0]).shape[0] != channels:
             return f"Conv {producer.name!r} has not {channels} output channels"
         bias = producer.inputs[2] if len(producer.inputs) > 2 else None
-        if bias is not None and _bias_params(bias) is None:
+        if bias is not None and not _rescalable_bias(bias):
             return f"bias of Conv {producer.name!r} is neither a constant nor a constant int32 DequantizeLinear"
         return _Fold(params, consumers, depthwise, producer, activation)
 
@@ -165,8 +165,7 @@ class FoldPerChannelActivationScalesPass(ReportingPass):
         base = quantize.outputs[0].name or "activation"
         # producer: output channel o times S / s_o
         _rescale_weight(graph, fold.producer, common / steps, names)
-        bias = fold.producer.inputs[2] if len(fold.producer.inputs) > 2 else None
-        if bias is not None:
+        if len(fold.producer.inputs) > 2 and fold.producer.inputs[2] is not None:
             _rescale_bias(graph, fold.producer, common / steps, names)
         if fold.activation is not None and fold.activation.op_type == "Clip":
             fold.activation.outputs[0].replace_all_uses_with(fold.activation.inputs[0])
@@ -175,17 +174,9 @@ class FoldPerChannelActivationScalesPass(ReportingPass):
         for conv in fold.depthwise:
             multiplier = _qdq.const_array(_weight_dequantize(conv).inputs[0]).shape[0] // steps.size
             _rescale_weight(graph, conv, np.repeat(steps / common, multiplier), names)
-        scale_name, zp_name = names.fresh(f"{base}_folded_scale"), names.fresh(f"{base}_folded_zero_point")
-        scale = _qdq.add_initializer(graph, ir.tensor(np.asarray(common, dtype=params.scale.dtype), name=scale_name), scale_name)
-        zero_point = _qdq.add_initializer(
-            graph, _qdq.integer_tensor(np.asarray(params.zero_point.reshape(-1)[0]), params.dtype, zp_name), zp_name
+        _qdq.set_per_tensor_params(
+            graph, (quantize, *fold.consumers), common, int(params.zero_point.reshape(-1)[0]), params, f"{base}_folded", names
         )
-        for node in (quantize, *fold.consumers):
-            node.replace_input_with(1, scale)
-            if len(node.inputs) < 3:
-                node.resize_inputs(3)
-            node.replace_input_with(2, zero_point)
-            node.attributes.pop("axis", None)
         removed = f", {fold.activation.op_type} absorbed by the quantizer removed" if (
             fold.activation is not None and fold.activation.op_type == "Clip") else ""
         self.changed(
@@ -225,14 +216,15 @@ def _rescale_weight(graph: ir.Graph, conv: ir.Node, factors: np.ndarray, names) 
     _replace_dequantize(graph, conv, 1, factors, names)
 
 
-def _bias_params(bias: ir.Value) -> str | _qdq.QuantParams | None:
+def _rescalable_bias(bias: ir.Value) -> bool:
+    """A constant float bias, or a constant int32 one behind a DequantizeLinear with constant parameters."""
     if _qdq.const_array(bias) is not None:
-        return "float"
+        return True
     dq = bias.producer()
     if not _qdq.is_dequantize(dq) or _qdq.const_array(dq.inputs[0]) is None:
-        return None
+        return False
     params = _qdq.quant_params(dq)
-    return params if params is not None and not params.block_size and params.dtype == ir.DataType.INT32 else None
+    return params is not None and not params.block_size and params.dtype == ir.DataType.INT32
 
 
 def _rescale_bias(graph: ir.Graph, conv: ir.Node, factors: np.ndarray, names) -> None:

@@ -74,12 +74,6 @@ def _has_weight(node: ir.Node) -> bool:
     return _qdq.is_dequantize(weight) and _qdq.const_array(weight.inputs[0]) is not None
 
 
-def _data_input_params(node: ir.Node) -> _qdq.QuantParams | None:
-    if not node.inputs or not _has_weight(node):
-        return None
-    return _dequantized_params(node.inputs[0])
-
-
 def _reaches_quantizer(value: ir.Value) -> bool:
     for user, _ in value.uses():
         if _qdq.is_quantize(user):

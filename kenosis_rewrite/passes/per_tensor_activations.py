@@ -91,19 +91,8 @@ class PerTensorActivationsPass(ReportingPass):
                 f"< {MIN_ESTIMATED_SQNR_DB:g} dB (kept per channel; ORT runs its consumer in float)",
             )
             return False
-        base = output.name or "activation"
-        scale_name = _qdq.unique_name(graph, f"{base}_per_tensor_scale")
-        scale_value = _qdq.add_initializer(
-            graph, ir.tensor(np.asarray(scale, dtype=params.scale.dtype), name=scale_name), scale_name
-        )
-        zp_name = _qdq.unique_name(graph, f"{base}_per_tensor_zero_point")
-        zp_value = _qdq.add_initializer(graph, _qdq.integer_tensor(np.asarray(zero_point), params.dtype, zp_name), zp_name)
-        for node in (quantize, *consumers):
-            node.replace_input_with(1, scale_value)
-            if len(node.inputs) < 3:
-                node.resize_inputs(3)
-            node.replace_input_with(2, zp_value)
-            node.attributes.pop("axis", None)
+        base = f"{output.name or 'activation'}_per_tensor"
+        _qdq.set_per_tensor_params(graph, (quantize, *consumers), scale, zero_point, params, base, _qdq.NameAllocator(graph))
         self.changed(
             where, f"{params.describe()} -> {params.dtype.name.lower()} s={scale:.6g} zp={zero_point} "
             f"(estimated SQNR {estimate:.1f} dB)", exact=False,

@@ -9,7 +9,6 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-import kenosis_rewrite
 from kenosis_rewrite import _qdq, _testing, fidelity
 from kenosis_rewrite.passes.per_tensor_activations import (
     MIN_ESTIMATED_SQNR_DB, RULE_NAME, PerTensorActivationsPass, per_tensor_params,
