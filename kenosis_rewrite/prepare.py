@@ -1,0 +1,273 @@
+"""Canonicalize an FP32 graph as exported into the graph a quantizer should see.
+
+``prepare(model, feeds)`` runs, in order:
+
+1. **Input shapes** (``pin-input-shapes``): when the graph computes with the shape of a tensor
+   (``Shape``/``Size``) and an input has symbolic dims, the dims are pinned to the shapes in use
+   (``input_shapes``, or the feeds' shapes where every feed agrees) so the shape arithmetic folds.
+   The prepared model then accepts only those shapes; the report says which dims were pinned.
+2. **Constant folding and onnxscript's default rules** (``onnxscript.optimizer``): shape
+   arithmetic, run-time "same" padding (``Shape -> Slice -> ... -> Pad`` folds to a constant Pad,
+   which ``fuse_pad_into_conv`` moves into the Conv), BatchNormalization into Conv/Gemm, Cast/
+   Identity/Transpose-pair and other no-op removal.
+3. **Our FP32 rules**: decomposed HardSwish/HardSigmoid fused (onnxscript's rules), Transposes sunk
+   past elementwise ops so NHWC Transpose pairs cancel (:mod:`rules.transpose_sinking`), per-channel
+   affine arithmetic folded into Conv/Gemm weights and bias (:mod:`rules.channel_affine`).
+4. **Declared output shapes** (``repair-declared-output-shapes``): a graph output declared with a
+   shape the model does not produce (Paddle exports declare rank 0 for rank-2 outputs) gets the
+   shape it really has, so shape inference and the checker accept the graph.
+5. **Verification**: the prepared model runs on the feeds and must equal the original within float
+   rounding (max error <= ``PREPARE_TOLERANCE`` x the output's largest magnitude); otherwise the
+   original is kept and the report says why.
+
+Exactness: every step is exact in real arithmetic; float32 results differ by rounding only, which
+step 5 measures on the caller's inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxscript.optimizer
+from onnxscript.rewriter import RewriteRuleSet
+from onnxscript.rewriter.rules.common import fuse_hardswish_rules, no_op_transpose_rule, transpose_transpose_rule
+
+from kenosis_rewrite import _io, fidelity
+from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
+from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules.channel_affine import channel_affine_rules
+from kenosis_rewrite.rules.shape_slices import shape_slice_rules
+from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
+
+__all__ = ["prepare", "PrepareFailedError", "PREPARE_TOLERANCE", "canonicalize"]
+
+PREPARE_TOLERANCE = 1e-5
+_SHAPE_READERS = ("Shape", "Size")
+_REWRITE_STEPS = 8
+
+
+class PrepareFailedError(KenosisError):
+    """The canonical graph did not reproduce the model's outputs (raised only with ``strict=True``)."""
+
+
+def _op_counts(model: ir.Model) -> collections.Counter:
+    return collections.Counter(node.op_type for node in model.graph.all_nodes())
+
+
+def _reads_shapes(model: ir.Model) -> bool:
+    return any(node.op_type in _SHAPE_READERS for node in model.graph.all_nodes())
+
+
+def _symbolic_inputs(model: ir.Model) -> list[ir.Value]:
+    return [
+        value for value in model.graph.inputs
+        if value.shape is None or any(not isinstance(dim, int) for dim in value.shape)
+    ]
+
+
+def _shapes_in_use(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, list[int | None]]:
+    """Per input, the dims every feed agrees on (None where they differ)."""
+    shapes: dict[str, list[int | None]] = {}
+    for value in model.graph.inputs:
+        seen = [np.shape(feed[value.name]) for feed in feeds if value.name in feed]
+        if not seen or len({len(shape) for shape in seen}) != 1:
+            continue
+        shapes[value.name] = [dims[0] if len(set(dims)) == 1 else None for dims in zip(*seen)]
+    return shapes
+
+
+def pin_input_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int | None]], source: str, report: FixReport) -> bool:
+    """Replace symbolic input dims by ``shapes``' static ones; True when anything was pinned."""
+    pinned = False
+    for value in _symbolic_inputs(model):
+        wanted = shapes.get(value.name)
+        if wanted is None:
+            continue
+        old = list(value.shape) if value.shape is not None else None
+        if old is not None and len(old) != len(wanted):
+            raise KenosisError(f"input {value.name!r} has rank {len(old)}, the shapes in use have rank {len(wanted)}")
+        new = [
+            dim if isinstance(dim, int) else (wanted[i] if wanted[i] is not None else dim)
+            for i, dim in enumerate(old if old is not None else wanted)
+        ]
+        if old is not None and new == old:
+            continue
+        value.shape = ir.Shape(new)
+        pinned = True
+        shown = [str(d) for d in old] if old is not None else ["?"]
+        report.changed(
+            "pin-input-shapes", value.name,
+            f"dims [{', '.join(shown)}] -> {[d if isinstance(d, int) else str(d) for d in new]} ({source}) so shape "
+            "computations fold; the prepared model accepts only these shapes",
+            exact=True,
+        )
+    return pinned
+
+
+def _fold(model: ir.Model) -> None:
+    onnxscript.optimizer.optimize_ir(model, num_iterations=3)
+
+
+def _apply_rules(model: ir.Model, report: FixReport) -> None:
+    """Each family to a fixed point, in an order where one family's output is the next one's input."""
+    families = {
+        "fuse-hardswish": fuse_hardswish_rules(),
+        "sink-transposes": transpose_sinking_rules(),
+        "cancel-transposes": RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule]),
+        "fold-channel-affine": channel_affine_rules(),
+    }
+    counts: collections.Counter = collections.Counter()
+    for _ in range(_REWRITE_STEPS):
+        applied = 0
+        for name, rules in families.items():
+            count = rules.apply_to_model(model)
+            counts[name] += count
+            applied += count
+        if not applied:
+            break
+    for name, count in counts.items():
+        if count:
+            report.changed(name, "graph", f"{count} rewrites", exact=True)
+
+
+def _declared_output_repairs(model: ir.Model, observed: Sequence[np.ndarray], report: FixReport) -> None:
+    for value, array in zip(model.graph.outputs, observed):
+        declared = value.shape
+        actual = np.shape(array)
+        if declared is None:
+            continue
+        contradicts = len(declared) != len(actual) or any(
+            isinstance(dim, int) and dim != size for dim, size in zip(declared, actual)
+        )
+        if contradicts:
+            report.changed(
+                "repair-declared-output-shapes", value.name,
+                f"declared {list(declared)}, the model produces {list(actual)}: declaration replaced",
+                exact=True,
+            )
+            # with symbolic inputs only the rank is known for every input the model accepts
+            static = not _symbolic_inputs(model)
+            value.shape = ir.Shape(list(actual) if static else [None] * len(actual))
+
+
+def _max_relative_error(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> float:
+    worst = 0.0
+    for ref_outputs, new_outputs in zip(reference, outputs):
+        for ref, new in zip(ref_outputs, new_outputs):
+            ref, new = np.asarray(ref), np.asarray(new)
+            if ref.shape != new.shape:
+                return float("inf")
+            if not np.issubdtype(ref.dtype, np.floating):
+                if not np.array_equal(ref, new):
+                    return float("inf")
+                continue
+            scale = float(np.max(np.abs(ref), initial=0.0))
+            error = float(np.max(np.abs(ref.astype(np.float64) - new), initial=0.0))
+            worst = max(worst, error / scale if scale > 0 else error)
+    return worst
+
+
+def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequence[int | None]] | None = None, source: str = "") -> None:
+    """Steps 1-3 in place on ``model`` (no verification)."""
+    before = _op_counts(model)
+    _fold(model)
+    if shape_slice_rules().apply_to_model(model):
+        _fold(model)
+    if shapes and _reads_shapes(model):
+        # the batch dim last: most shape arithmetic (padding, anchors) reads only the spatial dims
+        without_batch = {name: [None, *dims[1:]] for name, dims in shapes.items() if dims}
+        for attempt in (without_batch, shapes):
+            if _reads_shapes(model) and pin_input_shapes(model, attempt, source, report):
+                _fold(model)
+    _apply_rules(model, report)
+    _fold(model)
+    after = _op_counts(model)
+    for op_type in sorted(set(before) | set(after)):
+        if before[op_type] != after[op_type]:
+            report.note(f"prepare: {op_type} {before[op_type]} -> {after[op_type]}")
+
+
+def prepare(
+    model: _io.ModelLike,
+    feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
+    *,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    verify: bool = True,
+    strict: bool = False,
+    return_report: bool = False,
+):
+    """Canonicalize an FP32 model (see the module docstring); the original is never modified.
+
+    Args:
+        model: the FP32 model (ModelProto, onnx_ir.Model or path).
+        feeds: inputs the model will see (calibration data): their shapes pin symbolic dims where
+            the graph computes with shapes, and the prepared model is verified on them. Without
+            feeds, random inputs of the declared (static) shapes verify it.
+        input_shapes: explicit shapes per input name (override the feeds' shapes).
+        verify: run both models and keep the original when they differ beyond float rounding.
+        strict: raise :class:`PrepareFailedError` instead of keeping the original.
+
+    Returns:
+        The prepared model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
+    """
+    loaded = _io.load(model, require_qdq=False)
+    original = ir.serde.serialize_model(loaded.model)
+    report = FixReport(target="prepare")
+    for note in loaded.notes:
+        report.note(note)
+    feeds = list(feeds) if feeds is not None else None
+    if input_shapes is not None:
+        shapes, source = {name: list(dims) for name, dims in input_shapes.items()}, "given input_shapes"
+    elif feeds:
+        shapes, source = _shapes_in_use(loaded.model, feeds), "from the feeds"
+    else:
+        shapes, source = None, ""
+    work = ir.serde.deserialize_model(original)
+    try:
+        canonicalize(work, report, shapes, source)
+    except KenosisError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a rewrite that fails leaves the model as exported
+        report.note(f"prepare: canonicalization failed ({type(error).__name__}: {error}); the model is used as exported")
+        return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
+    if shapes is None and _symbolic_inputs(work) and _reads_shapes(work):
+        report.note("prepare: the graph computes with symbolic input dims; give feeds or input_shapes to fold them")
+    if verify:
+        candidate = _verified(original, work, feeds, report, strict)
+        if candidate is None:
+            return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
+    return _result(loaded, work, report, return_report)
+
+
+def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixReport, strict: bool) -> ir.Model | None:
+    if not feeds:
+        feeds = fidelity.random_feeds(ir.serde.serialize_model(work), 2)
+    try:
+        reference = fidelity.run(original, feeds, optimized=False)
+    except RuntimeMeasurementError as error:
+        report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
+        return work
+    try:
+        outputs = fidelity.run(ir.serde.serialize_model(work), feeds, optimized=False)
+        _declared_output_repairs(work, outputs[0], report)
+        onnx.checker.check_model(ir.serde.serialize_model(work), full_check=True)
+        error = _max_relative_error(reference, outputs)
+        reason = None if error <= PREPARE_TOLERANCE else f"outputs differ by {error:.2g} of their magnitude"
+    except (RuntimeMeasurementError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as failure:
+        reason, error = f"the prepared model fails: {failure}", float("inf")
+    if reason is None:
+        report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude")
+        return work
+    if strict:
+        raise PrepareFailedError(f"prepare(): {reason}")
+    report.note(f"prepare: {reason}; the model is used as exported")
+    return None
+
+
+def _result(loaded: _io.LoadedModel, model: ir.Model, report: FixReport, return_report: bool):
+    result = model if loaded.returns == "ir" else ir.serde.serialize_model(model)
+    return (result, report) if return_report else result

@@ -1,0 +1,83 @@
+"""Tests of Transpose sinking past elementwise ops (FP32 canonicalization)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnxscript.rewriter import RewriteRuleSet
+from onnxscript.rewriter.rules.common import no_op_transpose_rule, transpose_transpose_rule
+
+from kenosis_rewrite import fidelity
+from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
+
+NHWC = [1, 7, 5, 6]
+TO_NCHW, TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
+
+
+def _model(nodes, inits, out_shape):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, NHWC)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(model, strict_mode=True)
+
+
+def _sink(model):
+    work = ir.serde.deserialize_model(model)
+    count = transpose_sinking_rules().apply_to_model(work)
+    count += RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule]).apply_to_model(work)
+    out = ir.serde.serialize_model(work)
+    onnx.checker.check_model(out, full_check=True)
+    return out, count
+
+
+def _run(model, x):
+    return fidelity.run(model, [{"x": x}], optimized=False)[0][0]
+
+
+@pytest.mark.parametrize("constant_shape", [(6,), (1, 1, 1, 6), (5, 6), (), (7, 5, 6)])
+@pytest.mark.parametrize("op_type", ["Add", "Sub", "Mul", "Div"])
+@pytest.mark.parametrize("constant_first", [False, True])
+def test_nhwc_pair_around_elementwise_cancels_bit_exactly(constant_shape, op_type, constant_first):
+    rng = np.random.default_rng(0)
+    constant = rng.uniform(0.5, 2, constant_shape).astype(np.float32)
+    operands = ["k", "t"] if constant_first else ["t", "k"]
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t0"], perm=TO_NCHW),
+        helper.make_node("Transpose", ["t0"], ["t"], perm=TO_NHWC),  # stands for NCHW work, here none
+        helper.make_node(op_type, operands, ["a"]),
+        helper.make_node("Relu", ["a"], ["r"]),
+        helper.make_node("Clip", ["r", "lo", "hi"], ["c"]),
+        helper.make_node("Transpose", ["c"], ["y"], perm=TO_NCHW),
+    ]
+    inits = [numpy_helper.from_array(constant, "k"), numpy_helper.from_array(np.float32(0.1), "lo"),
+             numpy_helper.from_array(np.float32(1.5), "hi")]
+    model = _model(nodes, inits, [1, 6, 7, 5])
+    out, count = _sink(model)
+    assert count > 0
+    assert [n.op_type for n in out.graph.node if n.op_type != "Identity"] == [op_type, "Relu", "Clip", "Transpose"]
+    x = rng.normal(0, 1, NHWC).astype(np.float32)
+    np.testing.assert_array_equal(_run(out, x), _run(model, x))
+
+
+def test_constant_of_higher_rank_is_refused():
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=TO_NCHW), helper.make_node("Add", ["t", "k"], ["y"])]
+    inits = [numpy_helper.from_array(np.ones((2, 1, 6, 7, 5), np.float32), "k")]
+    model = _model(nodes, inits, [2, 1, 6, 7, 5])
+    out, count = _sink(model)
+    assert count == 0 and [n.op_type for n in out.graph.node] == ["Transpose", "Add"]
+
+
+def test_transpose_with_another_reader_is_not_duplicated():
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=TO_NCHW),
+        helper.make_node("Relu", ["t"], ["r"]),
+        helper.make_node("Add", ["r", "t"], ["y"]),
+    ]
+    model = _model(nodes, [], [1, 6, 7, 5])
+    out, count = _sink(model)
+    assert count == 0 and [n.op_type for n in out.graph.node].count("Transpose") == 1
