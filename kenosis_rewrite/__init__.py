@@ -5,6 +5,7 @@
     fixed, report = kenosis_rewrite.fix_with_report(quantized_model)
     print(kenosis_rewrite.explain(fixed).summary())          # which Conv/MatMul/Gemm run integer
     model = kenosis_rewrite.quantize(fp32_model)             # the whole pipeline, self-calibrated
+    canonical = kenosis_rewrite.prepare(fp32_model, feeds)   # the FP32 graph a quantizer should see
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kenosis_rewrite.errors import (
 )
 from kenosis_rewrite.explain import FusionReport, explain
 from kenosis_rewrite.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
+from kenosis_rewrite.prepare import PrepareFailedError, prepare
 from kenosis_rewrite.quantize import quantize
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.weights import quantize_weights
@@ -32,7 +34,7 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "TARGETS", "FixPass", "FixReport", "FusionReport", "quantize", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
+    "TARGETS", "FixPass", "FixReport", "FusionReport", "prepare", "PrepareFailedError", "quantize", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
     "KenosisError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
     "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
     "UnsupportedTargetError", "ZooError",

@@ -13,6 +13,8 @@
 3. **Our FP32 rules**: decomposed HardSwish/HardSigmoid fused (onnxscript's rules), Transposes sunk
    past elementwise ops so NHWC Transpose pairs cancel (:mod:`rules.transpose_sinking`), per-channel
    affine arithmetic folded into Conv/Gemm weights and bias (:mod:`rules.channel_affine`).
+   Then onnxruntime's basic-level optimizer (standard ops only): its transpose optimizer cancels
+   the NHWC Transposes around residual Adds, which local rules cannot (the Add's inputs fan out).
 4. **Declared output shapes** (``repair-declared-output-shapes``): a graph output declared with a
    shape the model does not produce (Paddle exports declare rank 0 for rank-2 outputs) gets the
    shape it really has, so shape inference and the checker accept the graph.
@@ -27,11 +29,14 @@ step 5 measures on the caller's inputs.
 from __future__ import annotations
 
 import collections
+import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import onnxscript.optimizer
 from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules.common import fuse_hardswish_rules, no_op_transpose_rule, transpose_transpose_rule
@@ -48,6 +53,8 @@ __all__ = ["prepare", "PrepareFailedError", "PREPARE_TOLERANCE", "canonicalize"]
 PREPARE_TOLERANCE = 1e-5
 _SHAPE_READERS = ("Shape", "Size")
 _REWRITE_STEPS = 8
+_SMALL_CONSTANT_ELEMENTS = 1 << 16
+_PROTOBUF_LIMIT = 2**31 - 1
 
 
 class PrepareFailedError(KenosisError):
@@ -108,7 +115,16 @@ def pin_input_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int | None]]
     return pinned
 
 
+def _fold_small_constant_of_shape(node: ir.Node) -> bool | None:
+    """onnxscript keeps every ConstantOfShape (model size); a small one computing padding or grids
+    must fold for the arithmetic after it to fold."""
+    if node.op_type != "ConstantOfShape" or node.inputs[0] is None or node.inputs[0].const_value is None:
+        return None
+    return int(np.prod(node.inputs[0].const_value.numpy())) <= _SMALL_CONSTANT_ELEMENTS or None
+
+
 def _fold(model: ir.Model) -> None:
+    onnxscript.optimizer.fold_constants(model, should_fold=_fold_small_constant_of_shape)
     onnxscript.optimizer.optimize_ir(model, num_iterations=3)
 
 
@@ -171,8 +187,40 @@ def _max_relative_error(reference: list[list[np.ndarray]], outputs: list[list[np
     return worst
 
 
-def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequence[int | None]] | None = None, source: str = "") -> None:
-    """Steps 1-3 in place on ``model`` (no verification)."""
+def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
+    """onnxruntime's basic (level 1, standard ops only) optimizer: its transpose optimizer cancels the
+    NHWC Transposes that fan out (residual blocks), which local sinking cannot. Kept when it loads."""
+    proto = ir.serde.serialize_model(model)
+    if proto.ByteSize() >= _PROTOBUF_LIMIT:
+        report.note("prepare: onnxruntime's basic optimizer skipped (model over 2 GB)")
+        return model
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.optimized_model_filepath = os.path.join(folder, "basic.onnx")
+        options.log_severity_level = 3
+        try:
+            ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            optimized = ir.serde.deserialize_model(onnx.load(options.optimized_model_filepath))
+        except Exception as error:  # noqa: BLE001 - ORT's refusal leaves our canonical graph as is
+            report.note(f"prepare: onnxruntime's basic optimizer skipped ({type(error).__name__}: {error})")
+            return model
+    if any(node.domain not in ("", "ai.onnx") for node in optimized.graph.all_nodes()):
+        report.note("prepare: onnxruntime's basic optimizer wrote non-standard ops; not used")
+        return model
+    # ORT writes its own model header; the user's metadata, producer and opsets stay the user's
+    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(optimized, field, getattr(model, field))
+    optimized.metadata_props.clear()
+    optimized.metadata_props.update(model.metadata_props)
+    optimized.opset_imports.clear()
+    optimized.opset_imports.update(model.opset_imports)
+    optimized.graph.name = model.graph.name
+    return optimized
+
+
+def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequence[int | None]] | None = None, source: str = "") -> ir.Model:
+    """Steps 1-3 on ``model`` (no verification); returns the canonical model (``model`` is consumed)."""
     before = _op_counts(model)
     _fold(model)
     if shape_slice_rules().apply_to_model(model):
@@ -185,10 +233,13 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
                 _fold(model)
     _apply_rules(model, report)
     _fold(model)
+    model = _ort_basic_optimized(model, report)
+    _fold(model)
     after = _op_counts(model)
     for op_type in sorted(set(before) | set(after)):
         if before[op_type] != after[op_type]:
             report.note(f"prepare: {op_type} {before[op_type]} -> {after[op_type]}")
+    return model
 
 
 def prepare(
@@ -228,7 +279,7 @@ def prepare(
         shapes, source = None, ""
     work = ir.serde.deserialize_model(original)
     try:
-        canonicalize(work, report, shapes, source)
+        work = canonicalize(work, report, shapes, source)
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - a rewrite that fails leaves the model as exported

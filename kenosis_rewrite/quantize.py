@@ -37,6 +37,7 @@ from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.ort_quantize import _quiet_root_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, metadata_nodes
+from kenosis_rewrite.prepare import prepare as prepare_model
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.targets import get_target
 
@@ -179,6 +180,7 @@ def quantize(
     optimize_for: str | None = None,
     latency_budget_s: float = 60.0,
     seed: int = 0,
+    canonicalize: bool = True,
     return_report: bool = False,
 ):
     """Quantize an FP32 model for ``target`` and return a fixed, protected QDQ model.
@@ -198,20 +200,31 @@ def quantize(
         target_cosine: keep in FP32 the fewest layers that bring the output cosine (against FP32,
             on the calibration feeds) to this value.
         optimize_for: ``"latency"`` adds measured per-layer integer/float placement.
+        canonicalize: run :func:`kenosis_rewrite.prepare` on the FP32 graph first (fold shape
+            arithmetic and run-time padding, decomposed BatchNorm/HardSwish, NHWC Transposes),
+            verified against the model as given on the calibration feeds.
 
     Returns:
         The model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
     """
     loaded = _io.load(float_model, require_qdq=False)
-    prepared = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
+    original = ir.serde.serialize_model(loaded.model)
+    report = FixReport(target=target)
+    feeds, source = _feeds(original, calibration, calibration_samples, seed)
+    report.note(f"calibration: {source}, method {calibration_method}")
+    if canonicalize:
+        original_proto = original
+        canonical, preparation = prepare_model(original, feeds, return_report=True)
+        report.changes.extend(preparation.changes)
+        report.notes.extend(preparation.notes)
+    else:
+        original_proto = canonical = original
+    prepared = ir.serde.deserialize_model(canonical)
     # Constant nodes become initializers: quantize_static then treats them as weights (int8,
     # per-channel, quantized once), not as activations re-quantized at every run.
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
     proto = ir.serde.serialize_model(prepared)
-    report = FixReport(target=target)
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
-    feeds, source = _feeds(proto, calibration, calibration_samples, seed)
-    report.note(f"calibration: {source}, method {calibration_method}")
     auto = per_channel == "auto"
     options = quantize_static_options(target, False if auto else bool(per_channel))
     if auto:
@@ -250,6 +263,7 @@ def quantize(
     onnx.checker.check_model(out, full_check=True)
     from kenosis_rewrite import fidelity  # noqa: PLC0415
 
-    report.fidelity = fidelity.compare_to_float(proto, {"quantize_static": qdq, "quantized": out}, feeds[: min(8, len(feeds))])
+    # against the model as given: canonicalization is part of what the user gets
+    report.fidelity = fidelity.compare_to_float(original_proto, {"quantize_static": qdq, "quantized": out}, feeds[: min(8, len(feeds))])
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["ToyBuilder", "TOY_MODELS", "build", "random_feeds"]
+__all__ = ["ToyBuilder", "TOY_MODELS", "EXPORT_TOYS", "build", "build_export", "random_feeds"]
 
 
 class ToyBuilder:
@@ -228,3 +228,90 @@ def random_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> list[dict[str
             feed[value.name] = rng.standard_normal(shape).astype(np.float32)
         feeds.append(feed)
     return feeds
+
+
+# --- FP32 graphs as exporters write them (for prepare(): each trait of a real export) ----------
+
+
+def _same_padding(b: ToyBuilder, x: str, kernel: int, stride: int) -> str:
+    """TF "same" padding computed at run time (tf2onnx): pad = max((ceil(H/s)-1)*s + k - H, 0)."""
+    size = b.node("Cast", [b.node("Slice", [b.node("Shape", [x]), b.const(np.array([2], np.int64)),
+                                            b.const(np.array([4], np.int64))])], to=TensorProto.FLOAT)
+    steps = b.node("Ceil", [b.node("Div", [size, b.const(np.float32(stride))])])
+    total = b.node("Sub", [b.node("Add", [b.node("Mul", [b.node("Sub", [steps, b.const(np.float32(1))]),
+                                                       b.const(np.float32(stride))]), b.const(np.float32(kernel))]), size])
+    total = b.node("Max", [total, b.const(np.float32(0))])
+    before = b.node("Floor", [b.node("Div", [total, b.const(np.float32(2))])])
+    after = b.node("Sub", [total, before])
+    zeros = b.const(np.zeros(2, np.int64))
+    pads = b.node("Concat", [zeros, b.node("Cast", [before], to=TensorProto.INT64), zeros,
+                             b.node("Cast", [after], to=TensorProto.INT64)], axis=0)
+    return b.node("Pad", [x, pads], mode="constant")
+
+
+def _unpadded_conv(b: ToyBuilder, x: str, c_in: int, c_out: int, k: int, stride: int = 1, group: int = 1) -> str:
+    w = b.rng.normal(0, np.sqrt(2.0 / (c_in // group * k * k)), (c_out, c_in // group, k, k)).astype(np.float32)
+    return b.node("Conv", [x, b.const(w, "w"), b.const(b.rng.normal(0, 0.1, (c_out,)).astype(np.float32), "b")],
+                  kernel_shape=[k, k], strides=[stride, stride], group=group)
+
+
+def _decomposed_bn(b: ToyBuilder, h: str, shape: tuple[int, ...]) -> str:
+    """BatchNorm as exporters of frozen BN write it: Sub(mean) -> Mul(gamma/std) -> Add(beta)."""
+    h = b.node("Sub", [h, b.const(b.rng.normal(0, 0.5, shape).astype(np.float32), "mean")])
+    h = b.node("Mul", [h, b.const((b.rng.uniform(0.5, 1.5, shape) * b.rng.choice([-1, 1], shape, p=[0.1, 0.9])).astype(np.float32), "gamma")])
+    return b.node("Add", [h, b.const(b.rng.normal(0, 0.3, shape).astype(np.float32), "beta")])
+
+
+def _decomposed_hardswish(b: ToyBuilder, h: str) -> str:
+    """x * clip(x + 3, 0, 6) / 6 (Paddle exports)."""
+    gate = b.clip(b.node("Add", [h, b.const(np.float32(3))]), 0.0, 6.0)
+    return b.node("Div", [b.node("Mul", [h, gate]), b.const(np.float32(6))])
+
+
+def tf_same_padding(b: ToyBuilder, symbolic: bool = True) -> onnx.ModelProto:
+    """tf2onnx-style: run-time "same" Pad before a stride-2 Conv and a depthwise Conv, BN decomposed,
+    HardSwish decomposed; input dims symbolic (batch, height, width) like a Keras export."""
+    h = _unpadded_conv(b, _same_padding(b, "x", 3, 2), C, 16, 3, stride=2)
+    h = b.node("Relu", [_decomposed_bn(b, h, (1, 16, 1, 1))])
+    h = _unpadded_conv(b, _same_padding(b, h, 3, 1), 16, 16, 3, group=16)
+    h = _decomposed_hardswish(b, _decomposed_bn(b, h, (1, 16, 1, 1)))
+    h = _unpadded_conv(b, h, 16, 8, 1)
+    shape = ["N", C, "H", "W"] if symbolic else IMAGE["x"]
+    model = b.model({"x": shape}, h)
+    model.graph.output[0].type.tensor_type.shape.Clear()
+    for dim in (("N", 8, "h", "w") if symbolic else (1, 8, (IMAGE["x"][2] + 1) // 2, (IMAGE["x"][3] + 1) // 2)):
+        model.graph.output[0].type.tensor_type.shape.dim.add().CopyFrom(
+            onnx.TensorShapeProto.Dimension(dim_param=dim) if isinstance(dim, str) else onnx.TensorShapeProto.Dimension(dim_value=dim))
+    return model
+
+
+def nhwc_export(b: ToyBuilder) -> onnx.ModelProto:
+    """NHWC input, a Transpose on each side of every Conv, bias/BN/activation in NHWC between them."""
+    to_nchw, to_nhwc = [0, 3, 1, 2], [0, 2, 3, 1]
+    h = "x"
+    channels = C
+    for width in (16, 16):
+        h = b.node("Transpose", [h], perm=to_nchw)
+        h = b.node("Transpose", [b.conv(h, channels, width)], perm=to_nhwc)
+        h = b.node("Relu", [_decomposed_bn(b, h, (width,))])  # per-channel constants on the last axis
+        channels = width
+    n, c, height, width_ = IMAGE["x"]
+    return b.model({"x": [n, height, width_, c]}, h)
+
+
+def paddle_head(b: ToyBuilder) -> onnx.ModelProto:
+    """Paddle-style classifier head whose output is declared rank 0 while the tensor is rank 2."""
+    h = _decomposed_hardswish(b, b.conv("x", C, 16))
+    h = b.node("Flatten", [b.node("GlobalAveragePool", [h])])
+    h = b.node("Softmax", [b.gemm(h, 16, 4)], axis=-1)
+    model = b.model(IMAGE, h)
+    model.graph.output[0].type.tensor_type.shape.Clear()  # declared as a scalar shape: []
+    return model
+
+
+EXPORT_TOYS = {f.__name__: f for f in (tf_same_padding, nhwc_export, paddle_head)}
+
+
+def build_export(name: str, seed: int = 0) -> onnx.ModelProto:
+    """The FP32 export-style toy ``name`` (one of ``EXPORT_TOYS``)."""
+    return EXPORT_TOYS[name](ToyBuilder(seed))

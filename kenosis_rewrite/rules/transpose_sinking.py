@@ -39,10 +39,13 @@ UNARY_ELEMENTWISE = (
 BINARY_WITH_CONSTANT = ("Add", "Sub", "Mul", "Div")
 
 
-def _permutation(node: ir.Node, rank: int | None) -> list[int] | None:
+def _permutation(node: ir.Node) -> list[int] | None:
+    """The Transpose's permutation (its length is the rank); None when it is implicit and the rank unknown."""
     perm = node.attributes.get_ints("perm", None)
     if perm is not None:
         return list(perm)
+    data = node.inputs[0]
+    rank = data.shape.rank() if data is not None and data.shape is not None else None
     return list(reversed(range(rank))) if rank is not None else None
 
 
@@ -61,7 +64,7 @@ class _SinkPastUnary(RewriteRuleClassBase):
         for extra in node.inputs[1:]:
             if extra is not None and (extra.const_value is None or extra.const_value.size != 1):
                 return check.fail(f"{self.op_type} has a non-scalar or non-constant operand")
-        if _permutation(transposed.producer(), x.shape.rank() if x.shape is not None else None) is None:
+        if _permutation(transposed.producer()) is None:
             return check.fail("the Transpose's rank is unknown")
         return check
 
@@ -85,16 +88,16 @@ class _SinkPastBinary(RewriteRuleClassBase):
         check = MatchResult()
         if constant.const_value is None:
             return check.fail(f"the {self.op_type} operand is not a constant")
-        rank = x.shape.rank() if x.shape is not None else None
-        if rank is None or _permutation(transposed.producer(), rank) is None:
+        perm = _permutation(transposed.producer())
+        if perm is None:
             return check.fail("the Transpose's rank is unknown")
-        if constant.const_value.shape.rank() > rank:
+        if constant.const_value.shape.rank() > len(perm):
             return check.fail(f"the {self.op_type} constant has a higher rank than the tensor")
         return check
 
     def rewrite(self, op, x, constant, transposed):
-        rank = x.shape.rank()
-        perm = _permutation(transposed.producer(), rank)
+        perm = _permutation(transposed.producer())
+        rank = len(perm)
         values = constant.const_value.numpy()
         values = values.reshape((1,) * (rank - values.ndim) + values.shape)
         moved_constant = op.initializer(
