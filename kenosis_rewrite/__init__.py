@@ -25,7 +25,7 @@ from kenosis_rewrite.errors import (
 )
 from kenosis_rewrite.explain import FusionReport, explain
 from kenosis_rewrite.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
-from kenosis_rewrite.prepare import PrepareFailedError, prepare
+from kenosis_rewrite.canonical import PrepareFailedError, prepare
 from kenosis_rewrite.quantize import quantize
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.weights import quantize_weights

@@ -37,7 +37,7 @@ from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.ort_quantize import _quiet_root_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, metadata_nodes
-from kenosis_rewrite.prepare import prepare as prepare_model
+from kenosis_rewrite.canonical import prepare as prepare_model
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.targets import get_target
 

@@ -231,9 +231,9 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
         for attempt in (without_batch, shapes):
             if _reads_shapes(model) and pin_input_shapes(model, attempt, source, report):
                 _fold(model)
-    _apply_rules(model, report)
-    _fold(model)
     model = _ort_basic_optimized(model, report)
+    _fold(model)
+    _apply_rules(model, report)
     _fold(model)
     after = _op_counts(model)
     for op_type in sorted(set(before) | set(after)):

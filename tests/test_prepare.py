@@ -1,0 +1,116 @@
+"""prepare(): the FP32 canonicalization stage, on graphs written the way exporters write them."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+import kenosis_rewrite
+from kenosis_rewrite import _testing, canonical, fidelity, toy_models
+
+
+def _ops(model) -> collections.Counter:
+    return collections.Counter(node.op_type for node in model.graph.node)
+
+
+def _feeds(shape, n=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(0, 1, shape).astype(np.float32)} for _ in range(n)]
+
+
+def _max_relative_error(a, b, feeds):
+    ref = fidelity.run(a, feeds, optimized=False)
+    new = fidelity.run(b, feeds, optimized=False)
+    return max(float(np.abs(r - n).max() / np.abs(r).max()) for rs, ns in zip(ref, new) for r, n in zip(rs, ns))
+
+
+def test_run_time_same_padding_folds_into_the_convs_and_the_batch_stays_symbolic():
+    model = toy_models.build_export("tf_same_padding")
+    feeds = _feeds([2, toy_models.C, 18, 23])  # "same" pads H unevenly (more after)
+    prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    onnx.checker.check_model(prepared, full_check=True)
+    ops = _ops(prepared)
+    assert ops == {"Conv": 3, "Relu": 1, "HardSwish": 1}, ops  # no Shape/Pad/BN arithmetic left
+    dims = prepared.graph.input[0].type.tensor_type.shape.dim
+    assert dims[0].dim_param == "N" and [d.dim_value for d in dims[1:]] == [toy_models.C, 18, 23]
+    pads = [list(a.ints) for n in prepared.graph.node if n.op_type == "Conv" for a in n.attribute if a.name == "pads"]
+    assert pads[0] == [0, 1, 1, 1] and pads[1] == [1, 1, 1, 1]  # stride 2 on 18x23: H 0+1, W 1+1; stride 1: 1 each
+    assert [c.rule for c in report.changes].count("pin-input-shapes") == 1
+    assert _max_relative_error(model, prepared, feeds) <= canonical.PREPARE_TOLERANCE
+    # a batch the feeds did not have still runs: the batch dim was not pinned
+    assert _max_relative_error(model, prepared, _feeds([1, toy_models.C, 18, 23], 1)) <= canonical.PREPARE_TOLERANCE
+
+
+def test_without_feeds_symbolic_shape_arithmetic_stays_and_the_report_says_so():
+    model = toy_models.build_export("tf_same_padding")
+    prepared, report = kenosis_rewrite.prepare(model, return_report=True)
+    assert _ops(prepared)["Pad"] == 2
+    assert any("give feeds or input_shapes" in note for note in report.notes)
+    assert _max_relative_error(model, prepared, _feeds([1, toy_models.C, 16, 16], 1)) <= canonical.PREPARE_TOLERANCE
+
+
+def test_nhwc_export_loses_its_transposes_and_bn_arithmetic():
+    model = toy_models.build_export("nhwc_export")
+    feeds = _feeds([1, 16, 16, toy_models.C])
+    prepared = kenosis_rewrite.prepare(model, feeds)
+    ops = _ops(prepared)
+    assert ops["Transpose"] == 2 and ops["Conv"] == 2 and ops["Relu"] == 2, ops  # one in, one out
+    assert not {"Sub", "Mul", "Add"} & set(ops), ops
+    assert _max_relative_error(model, prepared, feeds) <= canonical.PREPARE_TOLERANCE
+
+
+def test_wrong_declared_output_shape_is_repaired_and_quantize_runs():
+    model = toy_models.build_export("paddle_head")
+    assert len(model.graph.output[0].type.tensor_type.shape.dim) == 0  # declared rank 0, produced rank 2
+    feeds = _feeds([1, toy_models.C, 16, 16], 4)
+    prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert [d.dim_value for d in prepared.graph.output[0].type.tensor_type.shape.dim] == [1, 4]
+    assert "repair-declared-output-shapes" in {c.rule for c in report.changes}
+    onnx.checker.check_model(prepared, full_check=True)
+    quantized = kenosis_rewrite.quantize(model, feeds)
+    onnx.checker.check_model(quantized, full_check=True)
+    assert fidelity.run(quantized, feeds[:1])[0][0].shape == (1, 4)
+
+
+def test_input_is_not_mutated_and_metadata_opsets_are_kept():
+    model = toy_models.build_export("nhwc_export")
+    model.metadata_props.add(key="labels", value="a,b")
+    model.doc_string = "exported"
+    before = model.SerializeToString()
+    prepared = kenosis_rewrite.prepare(model, _feeds([1, 16, 16, toy_models.C]))
+    assert model.SerializeToString() == before
+    assert {p.key: p.value for p in prepared.metadata_props} == {"labels": "a,b"}
+    assert prepared.doc_string == "exported"
+    assert {(o.domain, o.version) for o in prepared.opset_import} == {(o.domain, o.version) for o in model.opset_import}
+    as_ir = ir.serde.deserialize_model(model)
+    assert isinstance(kenosis_rewrite.prepare(as_ir, _feeds([1, 16, 16, toy_models.C])), ir.Model)
+
+
+def test_a_result_beyond_rounding_keeps_the_original(monkeypatch):
+    model = toy_models.build_export("tf_same_padding", seed=1)
+    feeds = _feeds([1, toy_models.C, 16, 16])
+    monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", 0.0)  # BN folding rounds differently: not 0
+    prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert prepared.SerializeToString() == model.SerializeToString() or _ops(prepared) == _ops(model)
+    assert any("used as exported" in note for note in report.notes)
+    with pytest.raises(kenosis_rewrite.PrepareFailedError, match="differ"):
+        kenosis_rewrite.prepare(model, feeds, strict=True)
+
+
+def test_quantize_canonicalizes_first_and_leaves_no_float_pad_islands():
+    model = toy_models.build_export("tf_same_padding")
+    feeds = _feeds([1, toy_models.C, 16, 16], 8)
+    quantized, report = kenosis_rewrite.quantize(model, feeds[:6], return_report=True)
+    raw = kenosis_rewrite.quantize(model, feeds[:6], canonicalize=False)
+    assert _ops(quantized)["Pad"] == 0 and _ops(raw)["Pad"] == 2
+    # every Conv but the last (a graph output, kept float by output protection) runs integer
+    assert kenosis_rewrite.explain(quantized).integer_mac_fraction >= kenosis_rewrite.explain(raw).integer_mac_fraction
+    assert "Pad" not in _testing.ort_optimized_op_types(quantized)
+    assert "pin-input-shapes" in {c.rule for c in report.changes}
+    scores = fidelity.compare_to_float(model, {"quantized": quantized, "raw": raw}, feeds[6:], optimized=False)
+    assert scores["quantized"]["cosine"] >= scores["raw"]["cosine"] - 2e-3
+    assert scores["quantized"]["cosine"] > 0.99
