@@ -10,6 +10,10 @@
   (scale factors, image shapes, anchors) carry a handful of exact values; quantizing them with a
   range calibrated on synthetic data corrupts them. Every node that reads a tensor computed only
   from such inputs (and constants) is excluded from quantization.
+* **Shape-path protection** (``protected_nodes``): the same for tensors computed from a tensor's
+  shape (``Shape``/``Size``) or only from constants by other nodes: padding amounts, anchors, grids
+  and priors a detector builds in the graph. Quantized, their exact values move onto an 8-bit grid
+  (anchor offsets in pixels) and broadcasting arithmetic on them can break.
 """
 
 from __future__ import annotations
@@ -98,21 +102,40 @@ def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     return values
 
 
+# Ops whose output describes a tensor's shape, not its values: what is computed from it (padding,
+# anchors, grids, priors) is exact arithmetic on dimensions, never data to quantize.
+SHAPE_READERS = frozenset({"Shape", "Size"})
+
+
 def metadata_nodes(model: onnx.ModelProto, metadata_inputs: set[str]) -> list[str]:
     """Names of the nodes that read a tensor computed only from ``metadata_inputs`` and constants."""
+    return protected_nodes(model, metadata_inputs, shape_paths=False)
+
+
+def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_paths: bool = True) -> list[str]:
+    """Names of the nodes quantize() must leave in float: every node that reads a tensor computed
+    only from ``metadata_inputs``, from tensor shapes (``Shape``/``Size``; with ``shape_paths``) or only
+    from constants by other nodes (anchors, grids, priors generated in the graph).
+
+    A tensor is *data* when it is computed from a data input (not metadata) through anything but a
+    shape reader; every other computed tensor is protected, and so is each node that reads one.
+    """
     constants = {init.name for init in model.graph.initializer}
     constants |= {out for node in model.graph.node if node.op_type == "Constant" for out in node.output}
-    metadata = set(metadata_inputs)
-    primary_reachable = {i.name for i in model.graph.input if i.name not in metadata_inputs and i.name not in constants}
+    data = {i.name for i in model.graph.input if i.name not in metadata_inputs and i.name not in constants}
+    protected = set(metadata_inputs)
     excluded = []
     for node in model.graph.node:  # topological order
+        if node.op_type == "Constant":
+            continue
         inputs = [i for i in node.input if i and i not in constants]
-        from_primary = any(i in primary_reachable for i in inputs)
-        from_metadata = any(i in metadata for i in inputs)
-        if from_metadata:
+        from_data = any(i in data for i in inputs)
+        reads_protected = any(i in protected for i in inputs)
+        computed_from_constants = shape_paths and not inputs
+        if reads_protected or computed_from_constants:
             excluded.append(node.name)
-        if from_primary:
-            primary_reachable.update(node.output)
-        elif from_metadata:
-            metadata.update(node.output)
+        if from_data and not (shape_paths and node.op_type in SHAPE_READERS):
+            data.update(node.output)
+        elif reads_protected or (shape_paths and (node.op_type in SHAPE_READERS or not inputs)):
+            protected.update(node.output)
     return [name for name in excluded if name]

@@ -36,7 +36,7 @@ from kenosis_rewrite import sensitivity
 from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.ort_quantize import _quiet_root_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
-from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, metadata_nodes
+from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
 from kenosis_rewrite.canonical import prepare as prepare_model
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.targets import get_target
@@ -231,13 +231,13 @@ def quantize(
         overrides = per_channel_overrides(proto)
         options["extra_options"]["TensorQuantOverrides"] = overrides
         report.note(f"per-channel weights where they gain >= {AUTO_PER_CHANNEL_GAIN_DB:g} dB SNR: {len(overrides)} tensors")
-    if protect_metadata_inputs:
-        metadata = _metadata_inputs(proto)
-        excluded = metadata_nodes(proto, metadata) if metadata else []
-        if excluded:
-            options["nodes_to_exclude"] = excluded
-            for name in excluded:
-                report.changed(METADATA_RULE, name, "reads a tensor computed only from metadata inputs: not quantized", exact=True)
+    metadata = _metadata_inputs(proto) if protect_metadata_inputs else set()
+    excluded = protected_nodes(proto, metadata)
+    if excluded:
+        options["nodes_to_exclude"] = excluded
+        for name in excluded:
+            report.changed(METADATA_RULE, name, "reads a tensor computed from metadata inputs, tensor shapes or "
+                           "only constants: not quantized", exact=True)
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False)
         with _quiet_root_logger():

@@ -130,3 +130,45 @@ def test_per_channel_auto_and_opset_policy():
         opset_imports=[helper.make_opsetid("", 11)], ir_version=7)
     kept, kept_report = quantize(old, return_report=True)
     assert kept.opset_import[0].version == 11 and "kept opset 11" in kept_report.summary()
+
+
+def _grid_detector() -> onnx.ModelProto:
+    """Conv head + a grid built in the graph from the feature map's Shape (YOLO-style decode)."""
+    b = toy_models.ToyBuilder(3)
+    features = b.node("Relu", [b.conv("x", toy_models.C, 8)])
+    offsets = b.conv(features, 8, 2, k=1)
+    width = b.node("Gather", [b.node("Shape", [offsets]), b.const(np.int64(3))])
+    grid = b.node("Cast", [b.node("Range", [b.const(np.int64(0)), width, b.const(np.int64(1))])], to=TensorProto.FLOAT)
+    grid = b.node("Mul", [grid, b.const(np.float32(8.0))])  # stride: pixels
+    boxes = b.node("Add", [b.node("Mul", [offsets, b.const(np.float32(8.0))]), grid])
+    graph = helper.make_graph(
+        b.nodes, "det", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, toy_models.C, "H", "W"])],
+        [helper.make_tensor_value_info(boxes, TensorProto.FLOAT, [1, 2, "H", "W"])], b.initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("canonicalize", [False, True])
+def test_grid_computed_from_shapes_is_never_quantized(canonicalize):
+    model = _grid_detector()
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.normal(0, 1, (1, toy_models.C, 24, 40)).astype(np.float32)} for _ in range(6)]
+    quantized, report = quantize(model, feeds[:4], canonicalize=canonicalize, return_report=True)
+    onnx.checker.check_model(quantized, full_check=True)
+    reference = fidelity.run(model, feeds[4:], optimized=False)
+    outputs = fidelity.run(quantized, feeds[4:])
+    grid = np.arange(40, dtype=np.float32) * 8
+    for ref, out in zip(reference, outputs):
+        # the grid term (0..312 px) is exact: what error there is, is the offsets' quantization error
+        assert _testing.sqnr_db(ref[0] - grid, out[0] - grid) > 20
+    producers = {o: n for n in quantized.graph.node for o in n.output}
+    grid_nodes = [n for n in quantized.graph.node if n.op_type in ("Range", "Cast", "Gather")]
+    grid_nodes += [n for n in quantized.graph.node if n.op_type == "Mul" and producers.get(n.input[0]) in grid_nodes]
+    assert len(grid_nodes) == (0 if canonicalize else 4)  # canonicalized: folded into one constant
+    for node in grid_nodes:
+        assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in node.input)
+        assert all(c.op_type != "QuantizeLinear" for c in quantized.graph.node if set(node.output) & set(c.input))
+    if not canonicalize:  # dims still symbolic: another size runs
+        other = {"x": rng.normal(0, 1, (1, toy_models.C, 16, 16)).astype(np.float32)}
+        assert fidelity.run(quantized, [other])[0][0].shape == (1, 2, 16, 16)
+        assert any(c.rule == "protect-metadata-inputs" for c in report.changes)
