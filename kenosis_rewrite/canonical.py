@@ -29,6 +29,8 @@ step 5 measures on the caller's inputs.
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,6 +57,7 @@ _SHAPE_READERS = ("Shape", "Size")
 _REWRITE_STEPS = 8
 _SMALL_CONSTANT_ELEMENTS = 1 << 16
 _PROTOBUF_LIMIT = 2**31 - 1
+_HARDSWISH_OPSET = 14  # HardSwish is an ONNX op from opset 14
 
 
 class PrepareFailedError(KenosisError):
@@ -69,11 +72,27 @@ def _reads_shapes(model: ir.Model) -> bool:
     return any(node.op_type in _SHAPE_READERS for node in model.graph.all_nodes())
 
 
+def _is_static(dim) -> bool:
+    return isinstance(dim, int) and dim >= 0
+
+
 def _symbolic_inputs(model: ir.Model) -> list[ir.Value]:
-    return [
-        value for value in model.graph.inputs
-        if value.shape is None or any(not isinstance(dim, int) for dim in value.shape)
-    ]
+    return [value for value in model.graph.inputs if value.shape is None or not all(_is_static(d) for d in value.shape)]
+
+
+def negative_dims_as_symbolic(model: ir.Model, report: FixReport) -> None:
+    """Paddle exports write an unknown dim as -1; read as a size, constant folding computes with it."""
+    values = [*model.graph.inputs, *model.graph.outputs]
+    for value in values:
+        if value.shape is None or all(not isinstance(d, int) or d >= 0 for d in value.shape):
+            continue
+        old = list(value.shape)
+        value.shape = ir.Shape([None if isinstance(d, int) and d < 0 else d for d in old])
+        report.changed("negative-dims-as-symbolic", value.name, f"declared dims {old}: -1 read as unknown", exact=True)
+    for node in model.graph.all_nodes():
+        for value in node.outputs:
+            if value.shape is not None and any(isinstance(d, int) and d < 0 for d in value.shape):
+                value.shape = None  # an inferred-shape annotation carrying -1: let inference redo it
 
 
 def _shapes_in_use(model: ir.Model, feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, list[int | None]]:
@@ -98,17 +117,17 @@ def pin_input_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int | None]]
         if old is not None and len(old) != len(wanted):
             raise KenosisError(f"input {value.name!r} has rank {len(old)}, the shapes in use have rank {len(wanted)}")
         new = [
-            dim if isinstance(dim, int) else (wanted[i] if wanted[i] is not None else dim)
+            dim if _is_static(dim) else (wanted[i] if wanted[i] is not None else dim)
             for i, dim in enumerate(old if old is not None else wanted)
         ]
         if old is not None and new == old:
             continue
         value.shape = ir.Shape(new)
         pinned = True
-        shown = [str(d) for d in old] if old is not None else ["?"]
+        shown = [str(d) if d is not None else "?" for d in old] if old is not None else ["?"]
         report.changed(
             "pin-input-shapes", value.name,
-            f"dims [{', '.join(shown)}] -> {[d if isinstance(d, int) else str(d) for d in new]} ({source}) so shape "
+            f"dims [{', '.join(shown)}] -> [{', '.join(str(d) if d is not None else '?' for d in new)}] ({source}) so shape "
             "computations fold; the prepared model accepts only these shapes",
             exact=True,
         )
@@ -123,19 +142,33 @@ def _fold_small_constant_of_shape(node: ir.Node) -> bool | None:
     return int(np.prod(node.inputs[0].const_value.numpy())) <= _SMALL_CONSTANT_ELEMENTS or None
 
 
+@contextlib.contextmanager
+def _quiet_onnxscript():
+    """The folder logs a warning per node it cannot evaluate (symbolic dims); the report says what folded."""
+    logger = logging.getLogger("onnxscript")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _fold(model: ir.Model) -> None:
-    onnxscript.optimizer.fold_constants(model, should_fold=_fold_small_constant_of_shape)
-    onnxscript.optimizer.optimize_ir(model, num_iterations=3)
+    with _quiet_onnxscript():
+        onnxscript.optimizer.fold_constants(model, should_fold=_fold_small_constant_of_shape)
+        onnxscript.optimizer.optimize_ir(model, num_iterations=3)
 
 
 def _apply_rules(model: ir.Model, report: FixReport) -> None:
     """Each family to a fixed point, in an order where one family's output is the next one's input."""
     families = {
-        "fuse-hardswish": fuse_hardswish_rules(),
         "sink-transposes": transpose_sinking_rules(),
         "cancel-transposes": RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule]),
         "fold-channel-affine": channel_affine_rules(),
     }
+    if model.opset_imports.get("", 0) >= _HARDSWISH_OPSET:
+        families = {"fuse-hardswish": fuse_hardswish_rules(), **families}
     counts: collections.Counter = collections.Counter()
     for _ in range(_REWRITE_STEPS):
         applied = 0
@@ -222,6 +255,7 @@ def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
 def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequence[int | None]] | None = None, source: str = "") -> ir.Model:
     """Steps 1-3 on ``model`` (no verification); returns the canonical model (``model`` is consumed)."""
     before = _op_counts(model)
+    negative_dims_as_symbolic(model, report)
     _fold(model)
     if shape_slice_rules().apply_to_model(model):
         _fold(model)

