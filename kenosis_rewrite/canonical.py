@@ -19,8 +19,9 @@
    shape the model does not produce (Paddle exports declare rank 0 for rank-2 outputs) gets the
    shape it really has, so shape inference and the checker accept the graph.
 5. **Verification**: the prepared model runs on the feeds and must equal the original within float
-   rounding (max error <= ``PREPARE_TOLERANCE`` x the output's largest magnitude); otherwise the
-   original is kept and the report says why.
+   rounding: max error <= ``PREPARE_TOLERANCE`` x the output's largest magnitude, or, where the model
+   amplifies rounding, ``NOISE_FACTOR`` x what onnxruntime's own graph optimizations change on the
+   same inputs; otherwise the original is kept and the report says why.
 
 Exactness: every step is exact in real arithmetic; float32 results differ by rounding only, which
 step 5 measures on the caller's inputs.
@@ -53,6 +54,9 @@ from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
 __all__ = ["prepare", "PrepareFailedError", "PREPARE_TOLERANCE", "canonicalize"]
 
 PREPARE_TOLERANCE = 1e-5
+# Outputs behind a steep nonlinearity (DB text maps: sigmoid(50 x)) amplify any rounding: there the
+# bound is what onnxruntime's own optimizations change on the same inputs, twice over.
+NOISE_FACTOR = 2.0
 _SHAPE_READERS = ("Shape", "Size")
 _REWRITE_STEPS = 8
 _SMALL_CONSTANT_ELEMENTS = 1 << 16
@@ -333,19 +337,25 @@ def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixRepor
         feeds = fidelity.random_feeds(ir.serde.serialize_model(work), 2)
     try:
         reference = fidelity.run(original, feeds, optimized=False)
+        # float rounding as the runtime itself has it: its own fusions (Conv+BN, ...) reorder arithmetic
+        runtime_noise = _max_relative_error(reference, fidelity.run(original, feeds, optimized=True))
     except RuntimeMeasurementError as error:
         report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
         return work
+    tolerance = max(PREPARE_TOLERANCE, NOISE_FACTOR * runtime_noise)
     try:
         outputs = fidelity.run(ir.serde.serialize_model(work), feeds, optimized=False)
         _declared_output_repairs(work, outputs[0], report)
         onnx.checker.check_model(ir.serde.serialize_model(work), full_check=True)
         error = _max_relative_error(reference, outputs)
-        reason = None if error <= PREPARE_TOLERANCE else f"outputs differ by {error:.2g} of their magnitude"
+        reason = None if error <= tolerance else (
+            f"outputs differ by {error:.2g} of their magnitude (allowed {tolerance:.2g}: float rounding, or "
+            f"{NOISE_FACTOR:g}x what onnxruntime's own optimizations change, {runtime_noise:.2g})")
     except (RuntimeMeasurementError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as failure:
         reason, error = f"the prepared model fails: {failure}", float("inf")
     if reason is None:
-        report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude")
+        report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
+                    f"(onnxruntime's own optimizations: {runtime_noise:.2g})")
         return work
     if strict:
         raise PrepareFailedError(f"prepare(): {reason}")
