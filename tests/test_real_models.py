@@ -98,3 +98,19 @@ def test_latency_placements_on_real_models_keep_contracts(name, float_prefix, ca
         assert optimized["HardSigmoid"] < before["HardSigmoid"] - 15
     scores = fidelity.compare_to_float(float_model, {"fixed": fixed, "placed": placed}, feeds[6:])
     assert scores["placed"]["cosine"] >= scores["fixed"]["cosine"] - 3e-3, scores
+
+
+def test_quantize_canonicalizes_a_pytorch2_nhwc_export(zoo_cache, photos):
+    """BN as Sub/Mul/Add between NHWC Transposes around every Conv, 309 Casts (issue 17): prepare()
+    folds them, so quantize() runs every Conv integer with no float arithmetic between layers."""
+    float_model = onnx.load(_fetch_or_skip("yahoo_open_nsfw_pt2", zoo_cache))
+    feeds = zoo.model_feeds("yahoo_open_nsfw_pt2", photos)
+    quantized, report = kenosis_rewrite.quantize(float_model, feeds[:6], return_report=True)
+    onnx.checker.check_model(quantized, full_check=True)
+    optimized = _testing.ort_optimized_op_types(quantized)
+    assert not {"Sub", "Mul", "Cast"} & set(optimized), optimized
+    assert optimized["Transpose"] <= 2, optimized  # the NHWC input's and nothing between layers
+    assert kenosis_rewrite.explain(quantized).integer_mac_fraction == pytest.approx(1.0)
+    assert any(note.startswith("prepare: verified") for note in report.notes), report.summary()
+    scores = fidelity.compare_to_float(float_model, {"quantized": quantized}, feeds[6:])
+    assert scores["quantized"]["cosine"] > 0.999
