@@ -30,8 +30,6 @@ step 5 measures on the caller's inputs.
 from __future__ import annotations
 
 import collections
-import contextlib
-import logging
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,6 +44,7 @@ from onnxscript.rewriter.rules.common import fuse_hardswish_rules, no_op_transpo
 
 from kenosis_rewrite import _io, fidelity
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
+from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.channel_affine import channel_affine_rules
 from kenosis_rewrite.rules.shape_slices import shape_slice_rules
@@ -146,20 +145,8 @@ def _fold_small_constant_of_shape(node: ir.Node) -> bool | None:
     return int(np.prod(node.inputs[0].const_value.numpy())) <= _SMALL_CONSTANT_ELEMENTS or None
 
 
-@contextlib.contextmanager
-def _quiet_onnxscript():
-    """The folder logs a warning per node it cannot evaluate (symbolic dims); the report says what folded."""
-    logger = logging.getLogger("onnxscript")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _fold(model: ir.Model) -> None:
-    with _quiet_onnxscript():
+    with quiet_logger("onnxscript"):
         onnxscript.optimizer.fold_constants(model, should_fold=_fold_small_constant_of_shape)
         onnxscript.optimizer.optimize_ir(model, num_iterations=3)
 

@@ -48,7 +48,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite.guard import cosine_floor
-from kenosis_rewrite.ort_quantize import _quiet_root_logger
+from kenosis_rewrite.ort_quantize import quiet_logger
 
 __all__ = [
     "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "CaseResult", "Failure", "TargetResult",
@@ -651,7 +651,7 @@ def _static_kwargs(config: dict) -> dict:
 @contextlib.contextmanager
 def _silenced():
     """quantize_static logs warnings and its histogram calibrators print: keep the fuzz output readable."""
-    with _quiet_root_logger(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with quiet_logger(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         yield
 

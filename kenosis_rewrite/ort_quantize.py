@@ -47,15 +47,17 @@ class FeedsReader(CalibrationDataReader):
 
 
 @contextlib.contextmanager
-def _quiet_root_logger():
-    """quantize_static logs a 'consider pre-processing' warning on every call; keep output readable."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
+def quiet_logger(name: str | None = None):
+    """Only errors from logger ``name`` (the root logger by default) while the block runs:
+    quantize_static logs a 'consider pre-processing' warning on every call, onnxscript's constant
+    folder one per node it cannot evaluate; the report says what matters."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        root.setLevel(level)
+        logger.setLevel(level)
 
 
 def quantize_with_ort(
@@ -72,7 +74,7 @@ def quantize_with_ort(
     extra.update(overrides.pop("extra_options", {}))
     kwargs.update(overrides)
     kwargs.setdefault("quant_format", QuantFormat.QDQ)
-    with tempfile.TemporaryDirectory() as tmp, _quiet_root_logger():
+    with tempfile.TemporaryDirectory() as tmp, quiet_logger():
         source = os.path.join(tmp, "float.onnx")
         target = os.path.join(tmp, "qdq.onnx")
         onnx.save(float_model, source)

@@ -34,7 +34,7 @@ from onnxruntime.quantization import QuantFormat, QuantType
 from kenosis_rewrite import _io, calibration as calib
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.errors import KenosisError
-from kenosis_rewrite.ort_quantize import _quiet_root_logger
+from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
 from kenosis_rewrite.canonical import prepare as prepare_model
@@ -240,7 +240,7 @@ def quantize(
                            "only constants: not quantized", exact=True)
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False)
-        with _quiet_root_logger():
+        with quiet_logger():
             qdq = calib.quantize_with_ranges(proto, ranges, **options)
     except KenosisError:
         raise
