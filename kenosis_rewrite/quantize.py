@@ -212,13 +212,11 @@ def quantize(
     report = FixReport(target=target)
     feeds, source = _feeds(original, calibration, calibration_samples, seed)
     report.note(f"calibration: {source}, method {calibration_method}")
+    canonical = original
     if canonicalize:
-        original_proto = original
         canonical, preparation = prepare_model(original, feeds, return_report=True)
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
-    else:
-        original_proto = canonical = original
     prepared = ir.serde.deserialize_model(canonical)
     # Constant nodes become initializers: quantize_static then treats them as weights (int8,
     # per-channel, quantized once), not as activations re-quantized at every run.
@@ -264,6 +262,6 @@ def quantize(
     from kenosis_rewrite import fidelity  # noqa: PLC0415
 
     # against the model as given: canonicalization is part of what the user gets
-    report.fidelity = fidelity.compare_to_float(original_proto, {"quantize_static": qdq, "quantized": out}, feeds[: min(8, len(feeds))])
+    report.fidelity = fidelity.compare_to_float(original, {"quantize_static": qdq, "quantized": out}, feeds[: min(8, len(feeds))])
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result

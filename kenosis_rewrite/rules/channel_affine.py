@@ -22,8 +22,8 @@ nothing: a padded border reads zeros, not ``c``, so the shift is not uniform the
 
 Refused with a reason: non-constant operands, weights or bias shared with other nodes, constants
 that vary along a non-channel axis or would broadcast the output to a larger shape, a Div by a
-constant with a zero, an Add/Sub before a padding Conv, non-float tensors, Gemm with ``transA``
-irrelevant (allowed) but a bias that varies along rows.
+constant with a zero, an Add/Sub before a padding Conv, non-float weights, a Gemm bias that varies
+along rows.
 """
 
 from __future__ import annotations
@@ -76,9 +76,6 @@ def _tensor_like(values: np.ndarray, like: ir.Value, name: str) -> ir.Tensor:
 
 class _AffineAfter(RewriteRuleClassBase):
     """``Producer(x, W[, B]) -> Op(., constant)``: the affine moves into W and B."""
-
-    producer = "Conv"
-    affine = "Mul"
 
     def __init__(self, producer: str, affine: str):
         self.producer, self.affine = producer, affine
