@@ -29,6 +29,16 @@ def apply_pass(proto: onnx.ModelProto, make_pass) -> tuple[onnx.ModelProto, FixR
     return out, report
 
 
+def apply_rules(proto: onnx.ModelProto, *rule_sets) -> tuple[onnx.ModelProto, int]:
+    """Apply onnxscript ``RewriteRuleSet``s in turn to a copy of ``proto``; the result passes full_check.
+    Returns the result and the number of rewrites."""
+    model = ir.serde.deserialize_model(proto)
+    count = sum(rules.apply_to_model(model) for rules in rule_sets)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, count
+
+
 def outputs(model: onnx.ModelProto, feed: dict, optimized: bool = True) -> list[np.ndarray]:
     return session(model, optimized).run(None, feed)
 

@@ -6,11 +6,10 @@ import itertools
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite import fidelity
+from kenosis_rewrite import _testing, fidelity
 from kenosis_rewrite.rules.channel_affine import channel_affine_rules
 
 C_IN, C_OUT, SIZE = 4, 6, 9
@@ -27,11 +26,7 @@ def _model(nodes, initializers, x_shape, y_shape, opset=17):
 
 
 def _apply(model):
-    work = ir.serde.deserialize_model(model)
-    count = channel_affine_rules().apply_to_model(work)
-    out = ir.serde.serialize_model(work)
-    onnx.checker.check_model(out, full_check=True)
-    return out, count
+    return _testing.apply_rules(model, channel_affine_rules())
 
 
 def _outputs(model, x):

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
-import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite import fidelity
+from kenosis_rewrite import _testing, fidelity
 from kenosis_rewrite.rules.shape_slices import shape_slice_rules
 
 
@@ -32,11 +30,7 @@ def _model(starts, ends, axes=None, steps=None, opset=17):
 
 
 def _rewrite(model):
-    work = ir.serde.deserialize_model(model)
-    count = shape_slice_rules().apply_to_model(work)
-    out = ir.serde.serialize_model(work)
-    onnx.checker.check_model(out, full_check=True)
-    return out, count
+    return _testing.apply_rules(model, shape_slice_rules())
 
 
 @pytest.mark.parametrize(("starts", "ends", "axes", "steps"), [(2, 4, None, None), (1, 9223372036854775807, 0, 1), (-2, 4, None, 1), (0, -1, 0, None)])

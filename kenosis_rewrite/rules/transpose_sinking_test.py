@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules.common import no_op_transpose_rule, transpose_transpose_rule
 
-from kenosis_rewrite import fidelity
+from kenosis_rewrite import _testing, fidelity
 from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
 
 NHWC = [1, 7, 5, 6]
@@ -27,12 +26,8 @@ def _model(nodes, inits, out_shape):
 
 
 def _sink(model):
-    work = ir.serde.deserialize_model(model)
-    count = transpose_sinking_rules().apply_to_model(work)
-    count += RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule]).apply_to_model(work)
-    out = ir.serde.serialize_model(work)
-    onnx.checker.check_model(out, full_check=True)
-    return out, count
+    cancel = RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule])
+    return _testing.apply_rules(model, transpose_sinking_rules(), cancel)
 
 
 def _run(model, x):
