@@ -312,26 +312,26 @@ def prepare(
         return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
     if shapes is None and _symbolic_inputs(work) and _reads_shapes(work):
         report.note("prepare: the graph computes with symbolic input dims; give feeds or input_shapes to fold them")
-    if verify:
-        candidate = _verified(original, work, feeds, report, strict)
-        if candidate is None:
-            return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
+    if verify and not _verified(original, work, feeds, report, strict):
+        return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
     return _result(loaded, work, report, return_report)
 
 
-def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixReport, strict: bool) -> ir.Model | None:
+def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixReport, strict: bool) -> bool:
+    """Whether ``work`` reproduces ``original`` (declared output shapes repaired on the way)."""
+    candidate = ir.serde.serialize_model(work)
     if not feeds:
-        feeds = fidelity.random_feeds(ir.serde.serialize_model(work), 2)
+        feeds = fidelity.random_feeds(candidate, 2)
     try:
         reference = fidelity.run(original, feeds, optimized=False)
         # float rounding as the runtime itself has it: its own fusions (Conv+BN, ...) reorder arithmetic
         runtime_noise = _max_relative_error(reference, fidelity.run(original, feeds, optimized=True))
     except RuntimeMeasurementError as error:
         report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
-        return work
+        return True
     tolerance = max(PREPARE_TOLERANCE, NOISE_FACTOR * runtime_noise)
     try:
-        outputs = fidelity.run(ir.serde.serialize_model(work), feeds, optimized=False)
+        outputs = fidelity.run(candidate, feeds, optimized=False)
         _declared_output_repairs(work, outputs[0], report)
         onnx.checker.check_model(ir.serde.serialize_model(work), full_check=True)
         error = _max_relative_error(reference, outputs)
@@ -343,11 +343,11 @@ def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixRepor
     if reason is None:
         report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
                     f"(onnxruntime's own optimizations: {runtime_noise:.2g})")
-        return work
+        return True
     if strict:
         raise PrepareFailedError(f"prepare(): {reason}")
     report.note(f"prepare: {reason}; the model is used as exported")
-    return None
+    return False
 
 
 def _result(loaded: _io.LoadedModel, model: ir.Model, report: FixReport, return_report: bool):
