@@ -32,6 +32,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
+from kenosis_rewrite import _qdq
+
 __all__ = ["channel_affine_rules"]
 
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16)
@@ -141,7 +143,7 @@ class _AffineAfter(RewriteRuleClassBase):
             bias = bias + vector if self.affine == "Add" else bias - vector
         name = node.inputs[1].name
         new_weights = op.initializer(_tensor_like(weights, node.inputs[1], name), name=name)
-        bias_name = bias_value.name if bias_value is not None else f"{name}_bias"
+        bias_name = bias_value.name if bias_value is not None else _qdq.unique_name(node.graph, f"{name}_bias")
         new_bias = op.initializer(_tensor_like(bias, node.inputs[1], bias_name), name=bias_name)
         return getattr(op, self.producer)(x, new_weights, new_bias, **attributes)
 
@@ -208,7 +210,7 @@ class _AffineBeforeConv(RewriteRuleClassBase):
             bias = bias + sign * (weights * per_weight).reshape(out_channels, -1).sum(axis=1)
         name = conv.inputs[1].name
         new_weights = op.initializer(_tensor_like(weights, conv.inputs[1], name), name=name)
-        bias_name = bias_value.name if bias_value is not None else f"{name}_bias"
+        bias_name = bias_value.name if bias_value is not None else _qdq.unique_name(conv.graph, f"{name}_bias")
         new_bias = op.initializer(_tensor_like(bias, conv.inputs[1], bias_name), name=bias_name)
         return op.Conv(x, new_weights, new_bias, **conv.attributes)
 

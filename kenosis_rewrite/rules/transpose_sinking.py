@@ -29,6 +29,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
+from kenosis_rewrite import _qdq
+
 __all__ = ["transpose_sinking_rules", "UNARY_ELEMENTWISE"]
 
 # Elementwise ops of one data input; Clip's bounds must be scalars (checked).
@@ -100,10 +102,10 @@ class _SinkPastBinary(RewriteRuleClassBase):
         rank = len(perm)
         values = constant.const_value.numpy()
         values = values.reshape((1,) * (rank - values.ndim) + values.shape)
-        moved_constant = op.initializer(
-            ir.tensor(np.ascontiguousarray(np.transpose(values, np.argsort(perm)))),
-            name=f"{constant.name}_untransposed",
-        )
+        # one copy per site: onnxscript replaces an initializer of the same name, which would leave
+        # an earlier site reading a value no longer in the graph
+        name = _qdq.unique_name(transposed.producer().graph, f"{constant.name}_untransposed")
+        moved_constant = op.initializer(ir.tensor(np.ascontiguousarray(np.transpose(values, np.argsort(perm)))), name=name)
         operands = (moved_constant, x) if self.constant_first else (x, moved_constant)
         return op.Transpose(getattr(op, self.op_type)(*operands), perm=perm)
 

@@ -59,6 +59,25 @@ def test_nhwc_pair_around_elementwise_cancels_bit_exactly(constant_shape, op_typ
     np.testing.assert_array_equal(_run(out, x), _run(model, x))
 
 
+def test_one_constant_shared_by_two_sinks_gets_one_copy_per_site():
+    """A ViT's attention scale is one Constant read after two Transposes: each sink needs its own
+    transposed copy (a shared name once left a node reading an initializer that did not exist)."""
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t1"], perm=TO_NCHW),
+        helper.make_node("Div", ["t1", "k"], ["a"]),
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["t2"], perm=TO_NCHW),
+        helper.make_node("Div", ["t2", "k"], ["b"]),
+        helper.make_node("Add", ["a", "b"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.arange(1, 7, dtype=np.float32).reshape(6, 1, 1), "k")]
+    model = _model(nodes, inits, [1, 6, 7, 5])
+    out, count = _sink(model)  # full_check inside: every input is defined
+    assert count == 2
+    x = np.random.default_rng(1).normal(0, 1, NHWC).astype(np.float32)
+    np.testing.assert_array_equal(_run(out, x), _run(model, x))
+
+
 def test_constant_of_higher_rank_is_refused():
     nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=TO_NCHW), helper.make_node("Add", ["t", "k"], ["y"])]
     inits = [numpy_helper.from_array(np.ones((2, 1, 6, 7, 5), np.float32), "k")]
