@@ -13,7 +13,8 @@
 * **Shape-path protection** (``protected_nodes``): the same for tensors computed from a tensor's
   shape (``Shape``/``Size``) or only from constants by other nodes: padding amounts, anchors, grids
   and priors a detector builds in the graph. Quantized, their exact values move onto an 8-bit grid
-  (anchor offsets in pixels) and broadcasting arithmetic on them can break.
+  (anchor offsets in pixels) and broadcasting arithmetic on them can break. The origin analysis is
+  :func:`passes.shape_arithmetic.value_origins`, which ``fix()`` uses to take such Q/DQ back out.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import onnx_ir as ir
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.passes.dequantize import IMPLIED, remove_qdq_pair
+from kenosis_rewrite.passes.shape_arithmetic import Origin, value_origins
 from kenosis_rewrite.report import FixReport
 
 OUTPUT_RULE = "protect-model-outputs"
@@ -102,11 +104,6 @@ def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     return values
 
 
-# Ops whose output describes a tensor's shape, not its values: what is computed from it (padding,
-# anchors, grids, priors) is exact arithmetic on dimensions, never data to quantize.
-SHAPE_READERS = frozenset({"Shape", "Size"})
-
-
 def metadata_nodes(model: onnx.ModelProto, metadata_inputs: set[str]) -> list[str]:
     """Names of the nodes that read a tensor computed only from ``metadata_inputs`` and constants."""
     return protected_nodes(model, metadata_inputs, shape_paths=False)
@@ -114,28 +111,20 @@ def metadata_nodes(model: onnx.ModelProto, metadata_inputs: set[str]) -> list[st
 
 def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_paths: bool = True) -> list[str]:
     """Names of the nodes quantize() must leave in float: every node that reads a tensor computed
-    only from ``metadata_inputs``, from tensor shapes (``Shape``/``Size``; with ``shape_paths``) or only
-    from constants by other nodes (anchors, grids, priors generated in the graph).
+    only from ``metadata_inputs``, from tensor shapes (``Shape``/``Size``, index generators; with
+    ``shape_paths``) or only from constants by other nodes (anchors, grids, priors generated in the graph).
 
-    A tensor is *data* when it is computed from a data input (not metadata) through anything but a
-    shape reader; every other computed tensor is protected, and so is each node that reads one.
+    The origins are :func:`passes.shape_arithmetic.value_origins` (one definition for quantize()
+    and fix()); on the float model, a tensor computed from constants alone is protected too.
     """
-    constants = {init.name for init in model.graph.initializer}
-    constants |= {out for node in model.graph.node if node.op_type == "Constant" for out in node.output}
-    data = {i.name for i in model.graph.input if i.name not in metadata_inputs and i.name not in constants}
-    protected = set(metadata_inputs)
+    graph = ir.serde.deserialize_model(model).graph
+    computed = Origin.SHAPE if shape_paths else Origin.CONSTANT
+    origins = value_origins(graph, metadata_inputs, shape_paths=shape_paths, computed_constants=computed)
     excluded = []
-    for node in model.graph.node:  # topological order
+    for node in graph:
         if node.op_type == "Constant":
             continue
-        inputs = [i for i in node.input if i and i not in constants]
-        from_data = any(i in data for i in inputs)
-        reads_protected = any(i in protected for i in inputs)
-        computed_from_constants = shape_paths and not inputs
-        if reads_protected or computed_from_constants:
+        inputs = [origins.get(v, Origin.CONSTANT) for v in node.inputs if v is not None]
+        if Origin.SHAPE in inputs or (shape_paths and all(kind is Origin.CONSTANT for kind in inputs)):
             excluded.append(node.name)
-        if from_data and not (shape_paths and node.op_type in SHAPE_READERS):
-            data.update(node.output)
-        elif reads_protected or (shape_paths and (node.op_type in SHAPE_READERS or not inputs)):
-            protected.update(node.output)
     return [name for name in excluded if name]

@@ -41,6 +41,7 @@ from kenosis_rewrite.passes.activation_scale_folding import FoldPerChannelActiva
 from kenosis_rewrite.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.passes.qdq_propagation import DequantizeAfterSplitPass, DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
+from kenosis_rewrite.passes.shape_arithmetic import FloatShapeArithmeticPass
 from kenosis_rewrite.passes.symmetric_int8 import SymmetricActivationsPass
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.activation_fusion import NPU_FUSIBLE, TENSORRT_FUSIBLE, activation_fusion_rules
@@ -107,7 +108,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -120,7 +121,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="cited: QDQIsInt8Allowed() under MLAS_TARGET_ARM_ANY (onnxruntime qdq_selector_action_transformer.h)",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), DequantizeAfterSplitPass(report)],
+        pre_passes=lambda report: [ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), DequantizeAfterSplitPass(report)],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -134,7 +135,7 @@ TARGETS: dict[str, Target] = {
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
         pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
             SymmetricActivationsPass(report, TENSORRT_FUSIBLE),
         ],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
@@ -153,7 +154,7 @@ TARGETS: dict[str, Target] = {
             basis="research: positive homogeneity f(a x) = a f(x), a > 0; Quark's DPU placement Conv -> Relu -> Q -> DQ",
         ),
         pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
+            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
         ],
         rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=_ort_post,

@@ -309,7 +309,23 @@ def paddle_head(b: ToyBuilder) -> onnx.ModelProto:
     return model
 
 
-EXPORT_TOYS = {f.__name__: f for f in (tf_same_padding, nhwc_export, paddle_head)}
+def grid_detector(b: ToyBuilder) -> onnx.ModelProto:
+    """YOLO-style decode: a grid of cell centres built at run time from the feature map's width
+    (Shape -> float -> cells = ceil(W / 2) -> Range -> pixels -> Resize back to W), added to the
+    predicted offsets. Input height and width symbolic."""
+    features = b.node("Relu", [b.conv("x", C, 8)])
+    offsets = b.conv(features, 8, 2, k=1)
+    width = b.node("Gather", [b.node("Shape", [offsets]), b.const(np.int64(3))])
+    cells = b.node("Mul", [b.node("Cast", [width], to=TensorProto.FLOAT), b.const(np.float32(0.5))])
+    count = b.node("Cast", [b.node("Ceil", [cells])], to=TensorProto.INT64)
+    grid = b.node("Cast", [b.node("Range", [b.const(np.int64(0)), count, b.const(np.int64(1))])], to=TensorProto.FLOAT)
+    grid = b.node("Mul", [grid, b.const(np.float32(2.0))])
+    grid = b.node("Resize", [grid, b.const(np.array([], np.float32)), b.const(np.array([2.0], np.float32))], mode="nearest")
+    model = b.model({"x": [1, C, "H", "W"]}, b.node("Add", [offsets, grid]))
+    return model
+
+
+EXPORT_TOYS = {f.__name__: f for f in (tf_same_padding, nhwc_export, paddle_head, grid_detector)}
 
 
 def build_export(name: str, seed: int = 0) -> onnx.ModelProto:

@@ -1,0 +1,113 @@
+"""Shape arithmetic stays float: ``Q -> DQ`` round trips on tensors computed from shapes are removed.
+
+Transformation::
+
+    v -> Q(s, z) -> DQ(s, z) -> consumers   ==>   v -> consumers
+    where v is computed from a tensor's shape (Shape/Size/EyeLike) or an index generator
+    (Range/ConstantOfShape), by any ops, from nothing else but constants
+
+Why: a detector builds anchors, grids and priors from its feature maps' shapes, and an exporter
+computes padding from the input's shape. Node-by-node quantizers wrap those float computations in
+Q/DQ like any activation: their exact values (pixel offsets, counts) move onto an 8-bit grid
+calibrated on one input size. A count that goes through ``Ceil``/``Floor`` after rounding can change
+and with it a tensor's shape (measured: a face detector's priors 12600 vs 12672, a broadcast error
+at run time). Without the round trip, the values are the float model's, exactly; and no later rule
+can retype the pair or move its parameters, since there is none.
+
+Exactness: not exact with respect to the input model: the affected tensors take their float
+values, i.e. the FP32 model's exactly (the rounding removed was an error, never a clamp a Relu relies
+on: shape arithmetic has no activation to fold). Refused where the Q's output is read by anything
+but a DequantizeLinear, or the DQ's output is a graph output (its name is the interface).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.passes._base import ReportingPass, remove_unused_nodes
+
+RULE_NAME = "float-shape-arithmetic"
+
+# Ops whose output describes a tensor's shape, not its values.
+SHAPE_READERS = frozenset({"Shape", "Size", "EyeLike"})
+# Ops that generate indices or fills: grids and priors start here even from constant inputs.
+INDEX_GENERATORS = frozenset({"Range", "ConstantOfShape"})
+
+
+class Origin(enum.Enum):
+    """Where a value's contents come from."""
+
+    DATA = "data"  # computed from a data input's values
+    SHAPE = "shape"  # from shapes, indices or metadata inputs, and constants: exact arithmetic
+    CONSTANT = "constant"  # from constants only (weights, and their Q/DQ)
+
+
+def _is_constant_source(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def value_origins(
+    graph: ir.Graph, metadata_inputs: Iterable[str] = (), *, shape_paths: bool = True,
+    computed_constants: Origin = Origin.CONSTANT,
+) -> dict[ir.Value, Origin]:
+    """The origin of every value of ``graph`` (top level).
+
+    Graph inputs are DATA unless named in ``metadata_inputs`` (SHAPE then). A node's outputs are
+    DATA when it reads DATA (a shape reader's only with ``shape_paths=False``), SHAPE when it reads
+    SHAPE or is a shape reader / index generator (with ``shape_paths``), and otherwise -- every input
+    constant -- ``computed_constants``. Nodes with subgraphs count as DATA producers when they read
+    DATA, like any node.
+    """
+    metadata = set(metadata_inputs)
+    origins: dict[ir.Value, Origin] = {}
+    for value in graph.inputs:
+        origins[value] = Origin.SHAPE if value.name in metadata else Origin.DATA
+    for value in graph.initializers.values():
+        origins.setdefault(value, Origin.CONSTANT)
+    for node in graph:  # topological order
+        kinds = {origins.get(v, Origin.CONSTANT) for v in node.inputs if v is not None}
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            kind = Origin.CONSTANT
+        elif shape_paths and node.op_type in SHAPE_READERS:
+            kind = Origin.SHAPE
+        elif Origin.DATA in kinds:
+            kind = Origin.DATA
+        elif Origin.SHAPE in kinds or (shape_paths and node.op_type in INDEX_GENERATORS):
+            kind = Origin.SHAPE
+        else:
+            kind = computed_constants
+        for value in node.outputs:
+            origins[value] = kind
+    return origins
+
+
+class FloatShapeArithmeticPass(ReportingPass):
+    """Remove ``Q -> DQ`` round trips on shape arithmetic; see the module docstring."""
+
+    rule_name = RULE_NAME
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, modified = model.graph, False
+        origins = value_origins(graph)
+        for node in list(graph):
+            if not _qdq.is_quantize(node) or origins.get(node.inputs[0]) is not Origin.SHAPE:
+                continue
+            where = node.name or node.outputs[0].name
+            consumers = _qdq.dequantize_consumers(node.outputs[0])
+            if not consumers or node.outputs[0].is_graph_output():
+                self.refused(where, "the quantized shape arithmetic is read by more than DequantizeLinear nodes")
+                continue
+            if any(dq.outputs[0].is_graph_output() for dq in consumers):
+                self.refused(where, "the dequantized shape arithmetic is a graph output (its name is the interface)")
+                continue
+            for dq in consumers:
+                dq.outputs[0].replace_all_uses_with(node.inputs[0])
+            modified = True
+            self.changed(where, f"{node.inputs[0].name} (computed from shapes) keeps its float value", exact=False)
+        remove_unused_nodes(model, modified)
+        return ir.passes.PassResult(model, modified=modified)
