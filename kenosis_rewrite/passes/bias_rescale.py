@@ -1,12 +1,14 @@
-"""Requantize int32 biases whose scale no longer equals input scale × weight scale.
+"""Requantize biases to int32 at input scale × weight scale: stale int32 scales, and narrower integer biases.
 
-Transformation, for Conv/ConvTranspose/Gemm with dequantized input, weight and int32 bias::
+Transformation, for Conv/ConvTranspose/Gemm with dequantized input, weight and integer bias::
 
     DQ(b_q; s_b, z_b)   ==>   DQ(rint((b_q - z_b) * s_b / (s_x * s_w)); s_x * s_w, 0)
 
 Why: ORT CPU folds the bias into QLinearConv/QGemm only when ``s_b == s_x * s_w`` (per output
 channel for per-channel weights); otherwise the op stays float. quantize_static always satisfies
 it, but any rule that changes an activation scale upstream (the Relu/Clip island rules) breaks it.
+A bias stored in another integer type (Quark's XINT8 preset writes int8 biases with their own
+power-of-two scale) keeps ORT from fusing at all: it becomes int32 the same way.
 
 Exactness: approximate, by at most half a step of the new bias scale per channel (the bias is
 re-rounded onto the grid the integer kernel accumulates on); values beyond int32 are clamped and
@@ -55,13 +57,14 @@ class BiasRescalePass(ReportingPass):
         if dq_x is None or dq_w is None or dq_b is None:
             return False
         p_x, p_w, p_b = (_qdq.quant_params(n) for n in (dq_x, dq_w, dq_b))
-        if p_x is None or p_w is None or p_b is None or p_b.dtype != ir.DataType.INT32:
+        if p_x is None or p_w is None or p_b is None or (p_b.dtype != ir.DataType.INT32 and p_b.dtype not in _qdq.INTEGER_RANGES) or p_b.block_size:
             return False
         if not p_x.is_per_tensor:
             return False
         expected = (p_x.scalar_scale * p_w.scale.astype(np.float64)).reshape(-1)
         current = p_b.scale.astype(np.float64).reshape(-1)
-        if current.size == expected.size and np.allclose(current, expected, rtol=self.rtol, atol=0):
+        is_int32 = p_b.dtype == ir.DataType.INT32
+        if is_int32 and current.size == expected.size and np.allclose(current, expected, rtol=self.rtol, atol=0):
             return False
         where = node.name or node.op_type
         if node.op_type == "Gemm" and (
@@ -106,6 +109,8 @@ class BiasRescalePass(ReportingPass):
         else:
             dq_node.attributes.pop("axis", None)
         detail = f"bias scale -> input scale x weight scale ({expected.size} channel(s))"
+        if not is_int32:
+            detail = f"{p_b.dtype.name.lower()} bias -> int32 at input scale x weight scale ({expected.size} channel(s))"
         if clamped:
             detail += f"; {clamped} value(s) clamped to int32"
         self.changed(where, detail, exact=False)

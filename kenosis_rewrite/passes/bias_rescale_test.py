@@ -63,3 +63,36 @@ def test_gemm_with_alpha_is_refused_with_reason():
       db = DequantizeLinear(b, sb)  y = Gemm<alpha=2.0>(dx, dw, db) }""")
     _, report = _apply(proto)
     assert [r.reason for r in report.refusals] == ["Gemm with alpha or beta other than 1 has no integer bias"]
+
+
+INT8_BIAS_CONV = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,4,4] x) => (float[1,2,4,4] y)
+<float sx = {0.0625}, uint8 zx = {128}, int8[2,2,1,1] w = {60, -30, 20, 90}, float sw = {0.0078125},
+ int8 zw = {0}, int8[2] b = {50, -77}, float sb = {0.001953125}, int8 zb = {0}, float sy = {0.125}, uint8 zy = {128}>
+{
+  qx = QuantizeLinear(x, sx, zx)
+  dx = DequantizeLinear(qx, sx, zx)
+  dw = DequantizeLinear(w, sw, zw)
+  db = DequantizeLinear(b, sb, zb)
+  c = Conv(dx, dw, db)
+  qc = QuantizeLinear(c, sy, zy)
+  y = DequantizeLinear(qc, sy, zy)
+}
+"""
+
+
+def test_int8_bias_becomes_int32_at_input_times_weight_scale_and_the_conv_fuses():
+    """Quark's XINT8 preset writes int8 biases with their own power-of-two scale: ORT keeps such a Conv float."""
+    proto = onnx.parser.parse_model(INT8_BIAS_CONV)
+    fixed, report = _apply(proto)
+    db = _testing.producer_of(fixed, "db")
+    assert _testing.initializer(fixed, db.input[1]) == np.float32(0.0625 * 0.0078125)
+    # powers of two: 50 * 2^-9 / 2^-11 = 200 exactly
+    np.testing.assert_array_equal(_testing.initializer(fixed, db.input[0]), np.array([200, -308], np.int32))
+    assert len(db.input) == 2 and [c.detail.split(" ->")[0] for c in report.changes] == ["int8 bias"]
+    feed = {"x": np.random.default_rng(0).uniform(-5, 5, (1, 2, 4, 4)).astype(np.float32)}
+    np.testing.assert_array_equal(_testing.outputs(fixed, feed, optimized=False)[0],
+                                  _testing.outputs(proto, feed, optimized=False)[0])  # exact here: powers of two
+    assert "QLinearConv" not in _testing.ort_optimized_op_types(proto)
+    assert "QLinearConv" in _testing.ort_optimized_op_types(fixed)

@@ -1,0 +1,56 @@
+"""fix() on small models quantized by the peers (NNCF, Quark presets, INC), committed as fixtures
+(tests/fixtures/README.md says how each was made): accepted, faster kernels, the peer's fidelity kept."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import onnx
+import pytest
+
+from kenosis_rewrite import _testing, explain, fidelity, fix
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+PEER_OUTPUTS = sorted(p.name for p in FIXTURES.glob("*.onnx") if not p.name.endswith("_fp32.onnx"))
+
+
+def _feeds(seed: int, n: int = 6) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(n)]
+
+
+def test_every_peer_and_preset_is_covered():
+    made_by = {name.split("_", 1)[1].removesuffix(".onnx") for name in PEER_OUTPUTS}
+    assert made_by == {"nncf3.4", "inc3.7", "quark0.13_xint8", "quark0.13_cnn"}
+
+
+@pytest.mark.parametrize("name", PEER_OUTPUTS)
+def test_fix_accepts_the_peer_output_runs_it_in_integer_kernels_and_keeps_its_fidelity(name):
+    peer = onnx.load(FIXTURES / name)
+    float_model = onnx.load(FIXTURES / f"{name.split('_', 1)[0]}_fp32.onnx")
+    calibration, held_out = _feeds(1), _feeds(2)
+    fixed, report = fix(peer, calibration=calibration, return_report=True)
+    onnx.checker.check_model(fixed, full_check=True)
+    assert [o.name for o in fixed.graph.output] == [o.name for o in peer.graph.output]
+    scores = fidelity.compare_to_float(float_model, {"peer": peer, "fixed": fixed}, held_out)
+    assert scores["fixed"]["cosine"] >= scores["peer"]["cosine"] - 0.002, report.summary()
+    # every Conv/MatMul/Gemm MAC runs in an integer kernel after fix(), whatever the peer left
+    assert explain(fixed).integer_mac_fraction == pytest.approx(1.0), report.summary()
+    kernels = _testing.ort_optimized_op_types(fixed)
+    assert kernels["QLinearConv"] >= 4 and kernels["Conv"] == 0, kernels
+
+
+def test_quark_xint8_is_unsorted_and_keeps_every_conv_float_until_fix():
+    """XINT8 (Quark's NPU preset): graph not in topological order (the checker refuses it), int8
+    biases with their own power-of-two scales, Conv -> Clip -> Q(zero point 128): ORT runs no Conv
+    in integer; fix() sorts, makes the biases int32 and the Clip's zero point qmin."""
+    peer = onnx.load(FIXTURES / "mbv2ish_quark0.13_xint8.onnx")
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(peer)
+    assert _testing.ort_optimized_op_types(peer)["QLinearConv"] == 0
+    fixed, report = fix(peer, calibration=_feeds(1), return_report=True)
+    counts = report.change_counts()
+    assert counts["requantize-stale-bias"] == 7 and counts["clip-zero-point-to-qmin"] == 4
+    assert any("topological order" in note for note in report.notes)
+    assert _testing.ort_optimized_op_types(fixed)["QLinearConv"] == 6
