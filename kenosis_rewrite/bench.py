@@ -307,6 +307,9 @@ class VariantResult:
     speedup_vs_unfixed: float | None = None
     fidelity: Fidelity | None = None
     error: str | None = None
+    build_s: float | None = None  # wall time to make this variant (the quantizer's, or fix()'s)
+    # x FP32 at the other thread counts asked for (``run_bench(also_threads=...)``)
+    speedup_by_threads: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -325,22 +328,29 @@ def _size(size: int | None) -> str:
 
 
 _COLUMNS = ("variant", "median ms", "p90 ms", "FPS", "x FP32", "x unfixed", "int MACs",
-            "cosine", "max abs err", "top-1", "size", "nodes")
+            "cosine", "max abs err", "top-1", "size", "nodes", "build s")
 
 
-def _row(variant: VariantResult) -> list[str]:
+def _columns(also_threads: Sequence[int]) -> tuple[str, ...]:
+    index = _COLUMNS.index("x unfixed")
+    return _COLUMNS[:index] + tuple(f"x FP32 ({n} thr)" for n in also_threads) + _COLUMNS[index:]
+
+
+def _row(variant: VariantResult, also_threads: Sequence[int] = ()) -> list[str]:
     lat = variant.latency
     fid = variant.fidelity
     mac = None if variant.integer_mac_fraction is None else 100 * variant.integer_mac_fraction
     return [
         variant.name,
         _fmt(lat and lat.median_ms, ".3f"), _fmt(lat and lat.p90_ms, ".3f"), _fmt(lat and lat.fps, ".1f"),
-        _fmt(variant.speedup_vs_fp32, ".2f"), _fmt(variant.speedup_vs_unfixed, ".2f", "-"),
+        _fmt(variant.speedup_vs_fp32, ".2f"),
+        *(_fmt(variant.speedup_by_threads.get(n), ".2f") for n in also_threads),
+        _fmt(variant.speedup_vs_unfixed, ".2f", "-"),
         _fmt(mac, ".1f") + ("%" if mac is not None else ""),
         _fmt(fid and fid.cosine, ".5f"), _fmt(fid and fid.max_abs_err, ".4g"),
         _fmt(None if fid is None or fid.top1_agreement is None else 100 * fid.top1_agreement, ".0f", "-")
         + ("%" if fid is not None and fid.top1_agreement is not None else ""),
-        _size(variant.size_bytes), _fmt(variant.node_count, "d"),
+        _size(variant.size_bytes), _fmt(variant.node_count, "d"), _fmt(variant.build_s, ".1f", "-"),
     ]
 
 
@@ -356,6 +366,7 @@ class BenchResult:
     variants: list[VariantResult]
     throughput: dict[str, ThroughputStats] = dataclasses.field(default_factory=dict)
     environment: dict[str, str] = dataclasses.field(default_factory=dict)
+    also_threads: tuple[int, ...] = ()
 
     def variant(self, name: str) -> VariantResult:
         for variant in self.variants:
@@ -365,7 +376,8 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         return {
-            "model": self.model, "threads": self.threads, "runs": self.runs, "warmup": self.warmup,
+            "model": self.model, "threads": self.threads, "also_threads": list(self.also_threads),
+            "runs": self.runs, "warmup": self.warmup,
             "feeds": self.feeds, "environment": dict(self.environment),
             "variants": [variant.to_dict() for variant in self.variants],
             "throughput": {name: stats.to_dict() for name, stats in self.throughput.items()},
@@ -392,8 +404,8 @@ class BenchResult:
 
     def to_markdown(self) -> str:
         lines = [f"### {self.model}", "", self._setup_line(), "", self.stability_note(), "",
-                 "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-        lines += ["| " + " | ".join(_row(v)) + " |" for v in self.variants if v.error is None]
+                 "| " + " | ".join(_columns(self.also_threads)) + " |", "|" + "---|" * len(_columns(self.also_threads))]
+        lines += ["| " + " | ".join(_row(v, self.also_threads)) + " |" for v in self.variants if v.error is None]
         failed = [v for v in self.variants if v.error is not None]
         if failed:
             lines += ["", "Failed variants:"] + [f"- {v.name}: {v.error}" for v in failed]
@@ -406,7 +418,7 @@ class BenchResult:
     def to_html(self) -> str:
         """A self-contained page: an inline SVG bar chart of median latency, then the full table."""
         title = html.escape(f"kenosis-rewrite bench: {self.model}")
-        table = _html_table(_COLUMNS, [_row(v) for v in self.variants if v.error is None])
+        table = _html_table(_columns(self.also_threads), [_row(v, self.also_threads) for v in self.variants if v.error is None])
         failed = "".join(f"<li>{html.escape(v.name)}: {html.escape(v.error)}</li>"
                          for v in self.variants if v.error is not None)
         throughput = ""
@@ -533,59 +545,91 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _extra_variants(inputs: _Inputs, models: dict, results: list, say, include_quantize: bool) -> None:
+class _Variants:
+    """The models a benchmark compares and what was recorded making them (failures recorded, not raised)."""
+
+    def __init__(self, inputs: _Inputs, say: Callable[[str], None]):
+        self.inputs, self.say = inputs, say
+        self.models: dict[str, onnx.ModelProto] = {FP32: inputs.model}
+        self.results: list[VariantResult] = [VariantResult(FP32, None, False)]
+
+    def make(self, name: str, config: str | None, fixed: bool, build: Callable[[], onnx.ModelProto],
+             progress: str | None = None) -> onnx.ModelProto | None:
+        """Record variant ``name`` made by ``build()`` (timed); None when it failed."""
+        self.say(progress or name)
+        start = time.perf_counter()
+        try:
+            model = build()
+        except Exception as error:  # noqa: BLE001 - one variant's failure is a finding, not the bench's
+            self.results.append(VariantResult(name, config, fixed, error=_error_text(error)))
+            return None
+        result = VariantResult(name, config, fixed, build_s=time.perf_counter() - start)
+        if isinstance(model, tuple):  # (model, seconds the tool itself reports)
+            model, result.build_s = model
+        self.models[name] = model
+        self.results.append(result)
+        return model
+
+
+def _quantize_variants(variants: _Variants) -> None:
     """kenosis ``quantize()`` with the calibration photos and with self-calibration."""
-    if not include_quantize:
-        return
     from kenosis_rewrite.quantize import quantize  # noqa: PLC0415
 
-    for name, calibration in (("quantize()", inputs.calibration), ("quantize(synthetic)", None)):
-        say(name)
-        try:
-            models[name] = quantize(inputs.model, calibration)
-            results.append(VariantResult(name, None, True))
-        except Exception as error:
-            results.append(VariantResult(name, None, True, error=_error_text(error)))
+    inputs = variants.inputs
+    variants.make("quantize()", None, True, lambda: quantize(inputs.model, inputs.calibration))
+    variants.make("quantize(synthetic)", None, True, lambda: quantize(inputs.model, None))
+
+
+def parse_peer(spec: str) -> tuple[str, str | None]:
+    """``"quark:INT8_CNN_DEFAULT"`` -> ``("quark", "INT8_CNN_DEFAULT")``; ``"nncf"`` -> ``("nncf", None)``."""
+    name, _, preset = spec.partition(":")
+    return name.strip().lower(), (preset.strip() or None)
+
+
+def _peer_variants(variants: _Variants, peer_specs: Sequence[str], include_fix: bool, cache_dir: str | None) -> None:
+    """Each peer's output on the calibration feeds (its own venv, :mod:`kenosis_rewrite.peers`) and its fix()."""
+    from kenosis_rewrite import peers  # noqa: PLC0415
+    from kenosis_rewrite.pipeline import fix  # noqa: PLC0415
+
+    inputs = variants.inputs
+    for spec in peer_specs:
+        name, preset = parse_peer(spec)
+
+        def run_peer(name=name, preset=preset):
+            done = peers.quantize_with_peer(name, inputs.model, inputs.calibration, preset=preset, cache_dir=cache_dir)
+            return done.model, done.wall_s
+
+        label = name if preset is None else f"{name}:{preset}"
+        quantized = variants.make(label, label, False, run_peer, progress=f"peer {label}")
+        if quantized is not None and include_fix:
+            # fix() gets the calibration feeds: peers that leave weighted outputs unquantized (NNCF) need ranges
+            variants.make(label + FIX_SUFFIX, label, True, lambda q=quantized: fix(q, calibration=inputs.calibration),
+                          progress=f"fix ({label})")
 
 
 def _build_variants(inputs: _Inputs, configs: Sequence[str], include_fix: bool,
                     say: Callable[[str], None], include_latency: bool = False,
-                    include_quantize: bool = False) -> tuple[dict[str, onnx.ModelProto], list[VariantResult]]:
-    """FP32, each quantize_static config and (optionally) its fix(); failures are recorded, not raised."""
+                    include_quantize: bool = False, peer_specs: Sequence[str] = (),
+                    cache_dir: str | None = None) -> tuple[dict[str, onnx.ModelProto], list[VariantResult]]:
+    """FP32, quantize(), each peer and its fix(), each quantize_static config and its fix()."""
     from kenosis_rewrite.ort_quantize import quantize_with_ort  # noqa: PLC0415
+    from kenosis_rewrite.pipeline import fix  # noqa: PLC0415
 
-    models = {FP32: inputs.model}
-    results = [VariantResult(FP32, None, False)]
-    _extra_variants(inputs, models, results, say, include_quantize)
+    variants = _Variants(inputs, say)
+    if include_quantize:
+        _quantize_variants(variants)
+    _peer_variants(variants, peer_specs, include_fix, cache_dir)
     for config in configs:
-        say(f"quantize_static ({config})")
-        try:
-            quantized = quantize_with_ort(inputs.model, inputs.calibration, config)
-        except Exception as error:
-            results.append(VariantResult(config, config, False, error=_error_text(error)))
+        quantized = variants.make(config, config, False, lambda c=config: quantize_with_ort(inputs.model, inputs.calibration, c),
+                                  progress=f"quantize_static ({config})")
+        if quantized is None or not include_fix:
             continue
-        models[config] = quantized
-        results.append(VariantResult(config, config, False))
-        if not include_fix:
-            continue
-        name = config + FIX_SUFFIX
-        say(f"fix ({config})")
-        try:
-            from kenosis_rewrite.pipeline import fix  # noqa: PLC0415
-
-            models[name] = fix(quantized)
-            results.append(VariantResult(name, config, True))
-        except Exception as error:
-            results.append(VariantResult(name, config, True, error=_error_text(error)))
+        variants.make(config + FIX_SUFFIX, config, True, lambda q=quantized: fix(q), progress=f"fix ({config})")
         if include_latency:
-            name = config + FIX_SUFFIX + "+latency"
-            say(f"fix ({config}, optimize_for=latency)")
-            try:
-                models[name] = fix(quantized, optimize_for="latency", calibration=inputs.calibration[:1])
-                results.append(VariantResult(name, config, True))
-            except Exception as error:
-                results.append(VariantResult(name, config, True, error=_error_text(error)))
-    return models, results
+            variants.make(config + FIX_SUFFIX + "+latency", config, True,
+                          lambda q=quantized: fix(q, optimize_for="latency", calibration=inputs.calibration[:1]),
+                          progress=f"fix ({config}, optimize_for=latency)")
+    return variants.models, variants.results
 
 
 def _describe(variant: VariantResult, model: onnx.ModelProto, inputs: _Inputs,
@@ -655,6 +699,8 @@ def run_bench(
     include_quantize: bool = False,
     min_seconds: float = 0.0,
     retries: int = 2,
+    peers: Sequence[str] = (),
+    also_threads: Sequence[int] = (),
 ) -> BenchResult:
     """FP32 vs ``quantize_static`` in each config vs its ``fix()``: latency, size, integer MACs, fidelity.
 
@@ -671,6 +717,11 @@ def run_bench(
         min_seconds: more timed runs than ``runs`` when needed to spend this long on each variant.
         retries: times the whole latency measurement is repeated when the machine's speed changed
             during it (:attr:`LatencyStats.drift` above ``UNSTEADY_DRIFT``); the steadiest is kept.
+        peers: peer quantizers to run on the same calibration feeds, each from its own virtual
+            environment (:mod:`kenosis_rewrite.peers`): ``"nncf"``, ``"inc"``, ``"quark"`` or
+            ``"quark:PRESET"``; each gives a variant and its ``fix()``. A peer that is not installed
+            is a failed variant whose message says how to install it.
+        also_threads: other intra-op thread counts to time every variant at (x FP32 columns).
     """
     say = progress or (lambda message: None)
     from kenosis_rewrite.ort_quantize import ORT_CONFIGS  # noqa: PLC0415
@@ -680,7 +731,8 @@ def run_bench(
         raise KenosisError(f"unknown quantize_static config(s) {unknown}; known: {', '.join(ORT_CONFIGS)}")
     say(f"loading {model}")
     inputs = _resolve_inputs(model, calibration_samples, cache_dir)
-    models, results = _build_variants(inputs, configs, include_fix, say, include_latency, include_quantize)
+    models, results = _build_variants(inputs, configs, include_fix, say, include_latency, include_quantize,
+                                      peers, cache_dir)
     say("FP32 reference outputs")
     reference = _outputs(FP32, inputs.model, inputs.evaluation, threads)
     for variant in results:
@@ -693,12 +745,18 @@ def run_bench(
     for variant in results:
         variant.latency = latencies.get(variant.name)
     _speedups(results)
+    for count in also_threads:
+        say(f"timing {len(measurable)} variants at {count} threads")
+        at_count = _steadiest_latency(measurable, inputs.evaluation[0], count, warmup, runs, min_seconds, retries, say)
+        for variant in results:
+            if variant.name in at_count:
+                variant.speedup_by_threads[count] = at_count[FP32].median_ms / at_count[variant.name].median_ms
     throughput = {}
     for name, proto in measurable.items() if streams > 0 else ():
         say(f"throughput {name}: {streams} streams x {stream_seconds:g} s")
         throughput[name] = measure_throughput(proto, inputs.evaluation[0], streams, stream_seconds)
     return BenchResult(inputs.label, threads, runs, warmup, inputs.source, results, throughput,
-                       _environment())
+                       _environment(), tuple(also_threads))
 
 
 # --------------------------------------------------------------------------- command line
@@ -712,7 +770,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="FP32 .onnx model, or zoo:NAME for a registered real model")
     parser.add_argument("--configs", default="default,u8s8,sym",
                         help="comma-separated quantize_static configs (default: default,u8s8,sym)")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per session (default 1)")
+    parser.add_argument("--threads", default="1",
+                        help="intra-op threads per session; a list (1,2) times every variant at each (default 1)")
+    parser.add_argument("--peers", default="",
+                        help="peer quantizers on the same calibration feeds, each from its own venv: nncf,inc,quark "
+                             "or quark:PRESET (install with `kenosis-rewrite peers install NAME`)")
     parser.add_argument("--runs", type=int, default=100, help="timed runs per variant (default 100)")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up runs per variant (default 20)")
     parser.add_argument("--retries", type=int, default=2,
@@ -752,18 +814,23 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
     """``kenosis-rewrite bench``: run the benchmark, print markdown to stdout; 0 ok, 1 refused, 2 usage."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-    if args.threads < 1 or args.runs < 1 or args.warmup < 0 or args.streams < 0 or args.retries < 0:
+    try:
+        threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
+    except ValueError:
+        threads = [0]
+    if not threads or min(threads) < 1 or args.runs < 1 or args.warmup < 0 or args.streams < 0 or args.retries < 0:
         print("kenosis-rewrite bench: error: --threads and --runs must be >= 1, --warmup, --streams and --retries >= 0",
               file=sys.stderr)
         return 2
     try:
         result = run_bench(
-            args.model, configs, threads=args.threads, runs=args.runs, warmup=args.warmup,
+            args.model, configs, threads=threads[0], runs=args.runs, warmup=args.warmup,
             calibration_samples=args.calibration_samples, include_fix=not args.no_fix,
             streams=args.streams, stream_seconds=args.stream_seconds, cache_dir=args.cache_dir,
             progress=_progress_printer() if sys.stderr.isatty() else None,
             include_latency=args.latency, include_quantize=args.quantize, min_seconds=args.min_seconds,
-            retries=args.retries,
+            retries=args.retries, peers=tuple(p for p in args.peers.split(",") if p.strip()),
+            also_threads=tuple(threads[1:]),
         )
     except (KenosisError, OSError) as error:
         print(f"kenosis-rewrite bench: error: {error}", file=sys.stderr)

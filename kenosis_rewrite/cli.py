@@ -5,7 +5,8 @@
     kenosis-rewrite explain MODEL.onnx [--json]
     kenosis-rewrite profile MODEL.onnx [--runs N]
     kenosis-rewrite quantize FP32.onnx OUT.onnx [--calibration DIR|synthetic] [--per-tensor] [--fidelity COS]
-    kenosis-rewrite bench MODEL.onnx|zoo:NAME [...]
+    kenosis-rewrite bench MODEL.onnx|zoo:NAME [--peers nncf,inc,quark] [--threads 1,2] [...]
+    kenosis-rewrite peers list | install NAME
 
 Exit codes: 0 success, 1 the input was refused (a KenosisError; the message says why),
 2 bad command line.
@@ -76,6 +77,20 @@ def _profile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _peers(args: argparse.Namespace) -> int:
+    from kenosis_rewrite import peers  # noqa: PLC0415
+
+    if args.action == "install":
+        python = peers.install(args.name, progress=lambda message: print(message, file=sys.stderr))
+        print(f"{peers.PEERS[args.name].title}: {python}")
+        return EXIT_OK
+    for name, peer in peers.PEERS.items():
+        python = peers.find_python(name)
+        where = python or f"not installed (kenosis-rewrite peers install {name})"
+        print(f"{name:6s} {peer.title}: {where}")
+    return EXIT_OK
+
+
 def _bench(argv: list[str]) -> int:
     from kenosis_rewrite.bench import bench_main  # noqa: PLC0415
 
@@ -130,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--threads", type=int, default=1)
     prof.set_defaults(handler=_profile)
     commands.add_parser("bench", help="FP32 vs quantize_static vs fixed, measured side by side", add_help=False)
+    peer = commands.add_parser("peers", help="the peer quantizers bench --peers runs, each in its own venv")
+    peer_actions = peer.add_subparsers(dest="action", required=True)
+    peer_actions.add_parser("list", help="where each peer's interpreter is, or how to install it")
+    install = peer_actions.add_parser("install", help="make a peer's virtual environment (pip install)")
+    install.add_argument("name", choices=["nncf", "inc", "quark"])
+    peer.set_defaults(handler=_peers)
     return parser
 
 

@@ -1,0 +1,116 @@
+"""kenosis_rewrite.peers and bench --peers: the driver protocol, with stand-in peer packages
+(the real peers are never dependencies of CI; tests/test_peer_outputs.py covers their outputs)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+
+from kenosis_rewrite import bench, cli, fidelity, peers, toy_models
+from kenosis_rewrite.errors import KenosisError
+
+FAKE_NNCF = '''
+__version__ = "0-stand-in"
+
+class Dataset:
+    def __init__(self, items):
+        self.items = list(items)
+
+def quantize(model, dataset, subset_size):
+    if subset_size != len(dataset.items):
+        raise ValueError("subset_size must cover every feed")
+    if model.graph.input[0].name == "refuse_me":
+        raise RuntimeError("the stand-in refuses this model")
+    from kenosis_rewrite.ort_quantize import quantize_with_ort
+    return quantize_with_ort(model, dataset.items, "default")
+'''
+
+
+@pytest.fixture
+def stand_in_nncf(tmp_path, monkeypatch):
+    """An ``nncf`` package that quantizes with quantize_static, run by this interpreter as the peer's."""
+    package = tmp_path / "site" / "nncf"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(FAKE_NNCF))
+    monkeypatch.setenv("KENOSIS_PEER_NNCF_PYTHON", sys.executable)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def no_peers_installed(tmp_path, monkeypatch):
+    for name in peers.PEERS:
+        monkeypatch.delenv(f"KENOSIS_PEER_{name.upper()}_PYTHON", raising=False)
+    monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
+
+
+def test_a_peer_runs_in_its_interpreter_on_every_feed(stand_in_nncf):
+    model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(model, 3)
+    result = peers.quantize_with_peer("nncf", model, feeds)
+    assert result.version == "0-stand-in" and result.wall_s > 0
+    kinds = {n.op_type for n in result.model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= kinds
+    assert fidelity.compare_to_float(model, {"peer": result.model}, feeds)["peer"]["cosine"] > 0.99
+
+
+def test_a_missing_peer_says_how_to_install_it(no_peers_installed):
+    assert peers.find_python("quark") is None
+    model = toy_models.build("conv_relu")
+    with pytest.raises(peers.PeerNotInstalledError, match="kenosis-rewrite peers install quark"):
+        peers.quantize_with_peer("quark", model, toy_models.random_feeds(model, 1))
+
+
+def test_a_failing_peer_reports_its_own_error(stand_in_nncf):
+    model = toy_models.build("conv_relu")
+    model.graph.input[0].name = "refuse_me"
+    for node in model.graph.node:
+        node.input[:] = ["refuse_me" if i == "x" else i for i in node.input]
+    feeds = [{"refuse_me": f["x"]} for f in toy_models.random_feeds(toy_models.build("conv_relu"), 1)]
+    with pytest.raises(peers.PeerFailedError, match="the stand-in refuses this model"):
+        peers.quantize_with_peer("nncf", model, feeds)
+
+
+def test_unknown_peer_and_empty_feeds_are_refused():
+    model = toy_models.build("conv_relu")
+    with pytest.raises(KenosisError, match="unknown peer 'openvino'"):
+        peers.quantize_with_peer("openvino", model, [])
+    with pytest.raises(KenosisError, match="needs calibration feeds"):
+        peers.quantize_with_peer("nncf", model, [])
+
+
+def test_feeds_round_trip_through_the_driver_format(tmp_path):
+    feeds = [{"a": np.arange(3, dtype=np.float32), "b": np.ones((2, 2), np.int64)} for _ in range(2)]
+    peers.save_feeds(feeds, tmp_path / "f.npz")
+    data = np.load(tmp_path / "f.npz")
+    assert sorted(data.files) == ["0::a", "0::b", "1::a", "1::b"]
+    np.testing.assert_array_equal(data["1::b"], feeds[1]["b"])
+
+
+def test_bench_puts_peers_beside_quantize_static_at_two_thread_counts(stand_in_nncf, tmp_path):
+    path = tmp_path / "toy.onnx"
+    onnx.save(toy_models.build("conv_relu"), path)
+    result = bench.run_bench(str(path), configs=("default",), peers=("nncf", "quark:XINT8"), runs=3, warmup=1,
+                             calibration_samples=2, also_threads=(2,), retries=0)
+    names = [v.name for v in result.variants]
+    assert names == ["fp32", "nncf", "nncf+fix", "quark:XINT8", "default", "default+fix"]
+    nncf, fixed = result.variant("nncf"), result.variant("nncf+fix")
+    assert nncf.error is None and nncf.build_s > 0 and nncf.latency.runs >= 3
+    assert fixed.config == "nncf" and fixed.speedup_vs_unfixed is not None
+    assert set(nncf.speedup_by_threads) == {2}
+    assert "kenosis-rewrite peers install quark" in result.variant("quark:XINT8").error
+    text = result.to_markdown()
+    assert "x FP32 (2 thr)" in text and "build s" in text and "| nncf+fix |" in text
+
+
+def test_cli_lists_peers_and_how_to_install_them(no_peers_installed, capsys):
+    assert cli.main(["peers", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in peers.PEERS:
+        assert f"kenosis-rewrite peers install {name}" in out
