@@ -272,6 +272,7 @@ def prepare(
     feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
     *,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
+    pin_shapes: bool = True,
     verify: bool = True,
     strict: bool = False,
     return_report: bool = False,
@@ -284,6 +285,8 @@ def prepare(
             the graph computes with shapes, and the prepared model is verified on them. Without
             feeds, random inputs of the declared (static) shapes verify it.
         input_shapes: explicit shapes per input name (override the feeds' shapes).
+        pin_shapes: False leaves symbolic input dims symbolic whatever the feeds' shapes (they
+            only verify): for feeds that are not what the model will see, such as synthetic ones.
         verify: run both models and keep the original when they differ beyond float rounding.
         strict: raise :class:`PrepareFailedError` instead of keeping the original.
 
@@ -298,7 +301,7 @@ def prepare(
     feeds = list(feeds) if feeds is not None else None
     if input_shapes is not None:
         shapes, source = {name: list(dims) for name, dims in input_shapes.items()}, "given input_shapes"
-    elif feeds:
+    elif feeds and pin_shapes:
         shapes, source = _shapes_in_use(loaded.model, feeds), "from the feeds"
     else:
         shapes, source = None, ""

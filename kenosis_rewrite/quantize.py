@@ -214,7 +214,9 @@ def quantize(
     report.note(f"calibration: {source}, method {calibration_method}")
     canonical = original
     if canonicalize:
-        canonical, preparation = prepare_model(original, feeds, return_report=True)
+        # synthetic feeds have made-up sizes: they must not fix the model's input dims
+        synthetic = calibration is None or (isinstance(calibration, str) and calibration == "synthetic")
+        canonical, preparation = prepare_model(original, feeds, return_report=True, pin_shapes=not synthetic)
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
     prepared = ir.serde.deserialize_model(canonical)

@@ -172,3 +172,15 @@ def test_grid_computed_from_shapes_is_never_quantized(canonicalize):
         other = {"x": rng.normal(0, 1, (1, toy_models.C, 16, 16)).astype(np.float32)}
         assert fidelity.run(quantized, [other])[0][0].shape == (1, 2, 16, 16)
         assert any(c.rule == "protect-metadata-inputs" for c in report.changes)
+
+
+def test_self_calibration_never_pins_the_input_dims():
+    """Synthetic feeds have made-up sizes: the quantized model must still take the sizes the float one takes."""
+    model = toy_models.build_export("grid_detector")
+    quantized, report = quantize(model, None, calibration_samples=4, return_report=True)
+    dims = [d.dim_param or d.dim_value for d in quantized.graph.input[0].type.tensor_type.shape.dim]
+    assert dims[2:] == ["H", "W"], report.summary()
+    rng = np.random.default_rng(0)
+    for height, width in ((16, 24), (40, 32)):
+        feed = {"x": rng.normal(0, 1, (1, toy_models.C, height, width)).astype(np.float32)}
+        assert fidelity.run(quantized, [feed])[0][0].shape == (1, 2, height, width)
