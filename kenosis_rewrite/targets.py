@@ -54,6 +54,7 @@ from kenosis_rewrite.rules.activation_islands import (
 from kenosis_rewrite.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldBatchNormIntoConvThroughQDQ
 from kenosis_rewrite.rules.matmul_nbits import matmul_nbits_rules
 from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
+from kenosis_rewrite.rules.sigmoid_gate import QuantizeSigmoidGate
 
 __all__ = ["TargetFacts", "Target", "TARGETS", "get_target"]
 
@@ -90,6 +91,7 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
         FoldReluIsland.rule(report), FoldClipIsland.rule(report),
         ReluZeroPointToQmin.rule(report), ClipZeroPointToQmin.rule(report),
         PReluToLeakyRelu.rule(report), PReluToReluMin.rule(report),
+        QuantizeSigmoidGate.rule(report),
         *matmul_nbits_rules(report).rules,
     ]
 
