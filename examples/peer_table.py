@@ -13,18 +13,10 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import onnx
 
 import kenosis_rewrite
-from kenosis_rewrite import _timing, fidelity, ort_quantize
-
-
-def _feeds(path: str) -> list[dict[str, np.ndarray]]:
-    data = np.load(path)
-    names = sorted({key.split("::")[1] for key in data.files})
-    count = len({key.split("::")[0] for key in data.files})
-    return [{name: data[f"{i}::{name}"] for name in names} for i in range(count)]
+from kenosis_rewrite import _timing, fidelity, ort_quantize, peers
 
 
 def main() -> None:
@@ -35,7 +27,7 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
-    feeds = _feeds(args.feeds)
+    feeds = peers.load_feeds(args.feeds)
     calibration, held_out = feeds[: args.calibration], feeds[args.calibration:]
     fp32, peer = onnx.load(args.fp32), onnx.load(args.peer)
     qdq = ort_quantize.quantize_with_ort(fp32, calibration, "default")

@@ -38,7 +38,7 @@ import onnx
 from kenosis_rewrite.errors import KenosisError
 
 __all__ = ["PEERS", "Peer", "PeerQuantization", "PeerNotInstalledError", "PeerFailedError",
-           "find_python", "install", "quantize_with_peer", "save_feeds"]
+           "find_python", "install", "quantize_with_peer", "save_feeds", "load_feeds"]
 
 
 class PeerNotInstalledError(KenosisError):
@@ -205,6 +205,14 @@ def install(name: str, cache_dir: str | os.PathLike | None = None,
 def save_feeds(feeds: Sequence[Mapping[str, np.ndarray]], path: str | os.PathLike) -> None:
     """Feeds as the drivers read them: one ``.npz`` with ``"{index}::{input name}"`` arrays."""
     np.savez(path, **{f"{i}::{name}": np.asarray(array) for i, feed in enumerate(feeds) for name, array in feed.items()})
+
+
+def load_feeds(path: str | os.PathLike) -> list[dict[str, np.ndarray]]:
+    """The feeds :func:`save_feeds` wrote, in order."""
+    data = np.load(path)
+    names = sorted({key.split("::", 1)[1] for key in data.files})
+    count = len({key.split("::", 1)[0] for key in data.files})
+    return [{name: data[f"{i}::{name}"] for name in names} for i in range(count)]
 
 
 def quantize_with_peer(
