@@ -226,6 +226,19 @@ def unique_name(graph: ir.Graph | None, base: str, also_taken: set[str] | frozen
     return candidate
 
 
+def constant_maker(op, graph: ir.Graph | None, base: str):
+    """``make(values, dtype, suffix)`` -> a new initializer value named ``{base}_{suffix}`` (made unique
+    in ``graph`` and among the ones made before), for a rule's ``rewrite(op, ...)``."""
+    taken: set[str] = set()
+
+    def make(values, dtype, suffix: str) -> ir.Value:
+        name = unique_name(graph, f"{base}_{suffix}", taken)
+        taken.add(name)
+        return op.initializer(ir.tensor(np.asarray(values, dtype=dtype), name=name), name=name)
+
+    return make
+
+
 def dequantize_consumers(value: ir.Value) -> list[ir.Node] | None:
     """The DequantizeLinear nodes reading ``value``; None when anything else reads it."""
     consumers = []

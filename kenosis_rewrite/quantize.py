@@ -57,8 +57,12 @@ def quantize_static_options(target: str, per_channel: bool) -> dict:
     }
 
 
+def _self_calibrated(calibration) -> bool:
+    return calibration is None or (isinstance(calibration, str) and calibration == "synthetic")
+
+
 def _feeds(model: onnx.ModelProto, calibration, samples: int, seed: int) -> tuple[list[dict], str]:
-    if calibration is None or (isinstance(calibration, str) and calibration == "synthetic"):
+    if _self_calibrated(calibration):
         return calib.synthetic_feeds(model, samples, seed), f"synthetic ({samples} samples)"
     if isinstance(calibration, (str, os.PathLike)):
         feeds = list(calib.image_feeds(model, sorted(p for p in _image_paths(calibration)), n=samples, seed=seed))
@@ -215,8 +219,8 @@ def quantize(
     canonical = original
     if canonicalize:
         # synthetic feeds have made-up sizes: they must not fix the model's input dims
-        synthetic = calibration is None or (isinstance(calibration, str) and calibration == "synthetic")
-        canonical, preparation = prepare_model(original, feeds, return_report=True, pin_shapes=not synthetic)
+        canonical, preparation = prepare_model(original, feeds, return_report=True,
+                                               pin_shapes=not _self_calibrated(calibration))
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
     prepared = ir.serde.deserialize_model(canonical)

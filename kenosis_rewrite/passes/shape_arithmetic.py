@@ -46,11 +46,6 @@ class Origin(enum.Enum):
     CONSTANT = "constant"  # from constants only (weights, and their Q/DQ)
 
 
-def _is_constant_source(value: ir.Value) -> bool:
-    producer = value.producer()
-    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
-
-
 def value_origins(
     graph: ir.Graph, metadata_inputs: Iterable[str] = (), *, shape_paths: bool = True,
     computed_constants: Origin = Origin.CONSTANT,

@@ -170,12 +170,7 @@ class _FoldBatchNorm(RewriteRuleClassBase):
 
         graph = conv.graph
         base = conv.name or "conv"
-        names: set[str] = set()
-
-        def initializer(tensor_values, dtype, suffix):
-            name = _qdq.unique_name(graph, f"{base}_bn_folded_{suffix}", names)
-            names.add(name)
-            return op.initializer(ir.tensor(np.asarray(tensor_values, dtype=dtype), name=name), name=name)
+        initializer = _qdq.constant_maker(op, graph, f"{base}_bn_folded")
 
         if per_tensor:
             weight_value = op.DequantizeLinear(

@@ -71,16 +71,8 @@ class HardSwishToIntegerOps(RewriteRuleClassBase):
 
     def rewrite(self, op, x, hs, q2, **_):
         q2_node = q2.producer()
-        graph = q2_node.graph
         base = hs.name or "hardswish"
-        taken: set[str] = set()
-
-        def constant(values, dtype, suffix):
-            name = _qdq.unique_name(graph, f"{base}_{suffix}", taken)
-            taken.add(name)
-            array = np.asarray(values, dtype=dtype)
-            return op.initializer(ir.tensor(array, name=name), name=name)
-
+        constant = _qdq.constant_maker(op, q2_node.graph, base)
         zero = constant(0, np.uint8, "zero")
         three = op.DequantizeLinear(constant(_TOP, np.uint8, "full"), constant(3.0 / _TOP, np.float32, "three_scale"), zero)
         # written on a grid of 6/255, read on 1/255: the HardSigmoid's division by 6, for free

@@ -93,15 +93,8 @@ class QuantizeSigmoidGate(RewriteRuleClassBase):
         index = _gate_index(a, b)
         gate = (a, b)[index]
         q_node = q.producer()
-        graph = q_node.graph
         base = gate.name or "sigmoid"
-        taken: set[str] = set()
-
-        def constant(value, dtype, suffix):
-            name = _qdq.unique_name(graph, f"{base}_{suffix}", taken)
-            taken.add(name)
-            return op.initializer(ir.tensor(np.asarray(value, dtype=dtype), name=name), name=name)
-
+        constant = _qdq.constant_maker(op, q_node.graph, base)
         scale, zero = constant(1.0 / _TOP, np.float32, "gate_scale"), constant(0, np.uint8, "gate_zero_point")
         quantized_gate = op.DequantizeLinear(op.QuantizeLinear(gate, scale, zero), scale, zero)
         factors = [a, b]
