@@ -97,7 +97,12 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
 
 
 def _ort_post(report: Report) -> list:
-    return [PassThroughQParamsPass(report), BiasRescalePass(report), ActivationBeforeDataMovementPass(report)]
+    return [
+        PassThroughQParamsPass(report),
+        # MaxPool/Concat outputs left float (NNCF's SPPF) would keep the Conv they feed float
+        DequantizeForwardPass(report, ops=frozenset({"MaxPool", "Concat"}), float_consumers_only=True),
+        BiasRescalePass(report), ActivationBeforeDataMovementPass(report),
+    ]
 
 
 TARGETS: dict[str, Target] = {

@@ -2,8 +2,9 @@
 
 Rules need three facts, and each used to have its own partial answer:
 
-* **Which ops only move values** (``PASS_THROUGH_OPS``): every output element is an element of the
-  first input (selection, layout, max/min). Their outputs have exactly the input's value set.
+* **Which ops only move values** (``PASS_THROUGH_OPS``, and Resize/Upsample in nearest mode): every
+  output element is an element of the first input (selection, layout, max/min, nearest-neighbour
+  resampling). Their outputs take only values of the input.
 * **The bounds of a Clip or Relu** (:func:`activation_bounds`): Clip's bounds are inputs from
   opset 11 and attributes before; an absent bound is unbounded.
 * **The interval a tensor lies in** (:func:`bounds`): a sound over-approximation by interval
@@ -45,6 +46,10 @@ PASS_THROUGH_OPS = frozenset(
     }
 )
 
+# Ops that only move values in one mode: nearest-neighbour resampling copies input elements
+# (linear/cubic interpolate between them, and cubic can overshoot).
+_NEAREST_RESAMPLING_OPS = frozenset({"Resize", "Upsample"})
+
 # Ops whose outputs are convex combinations (averages) of input values: inside the input's hull.
 _AVERAGING_OPS = frozenset({"AveragePool", "GlobalAveragePool", "ReduceMean"})
 
@@ -72,7 +77,11 @@ class Interval:
 
 def is_pass_through(node: ir.Node | None) -> bool:
     """True when every value ``node``'s first output holds is a value of its first input."""
-    if node is None or node.domain not in _DEFAULT_DOMAINS or node.op_type not in PASS_THROUGH_OPS:
+    if node is None or node.domain not in _DEFAULT_DOMAINS:
+        return False
+    if node.op_type in _NEAREST_RESAMPLING_OPS:
+        return node.attributes.get_string("mode", "nearest") == "nearest" and bool(node.inputs) and node.inputs[0] is not None
+    if node.op_type not in PASS_THROUGH_OPS:
         return False
     if node.op_type == "MaxPool" and len(node.outputs) > 1 and node.outputs[1].uses():
         return False  # the Indices output is not a value of the input

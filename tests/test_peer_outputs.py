@@ -54,3 +54,18 @@ def test_quark_xint8_is_unsorted_and_keeps_every_conv_float_until_fix():
     assert counts["requantize-stale-bias"] == 7 and counts["clip-zero-point-to-qmin"] == 4
     assert any("topological order" in note for note in report.notes)
     assert _testing.ort_optimized_op_types(fixed)["QLinearConv"] == 6
+
+
+def test_nncf_sppf_and_neck_run_integer_after_fix_without_requantizing_the_unified_concats():
+    """NNCF 3.4 on a YOLOv8 SPPF + neck (tests/fixtures/makers/make_sppfish.py): the SPPF's MaxPools and
+    Concat stay float and NNCF gives each Concat's inputs one scale. fix() moves the DQs past the
+    MaxPools and the Concats (exact) and leaves the neck's Resize unaligned so its Concat keeps the
+    shared scale: every Conv integer, no new quantizer at any Concat."""
+    peer = onnx.load(FIXTURES / "sppfish_nncf3.4.onnx")
+    assert _testing.ort_optimized_op_types(peer)["QLinearConv"] == 0
+    fixed, report = fix(peer, calibration=_feeds(1), return_report=True)
+    counts = report.change_counts()
+    assert counts["move-dq-forward"] >= 5, report.summary()  # three MaxPools and two Concats
+    assert any(r.rule == "align-pass-through-qparams" and "unified" in r.reason for r in report.refusals)
+    kernels = _testing.ort_optimized_op_types(fixed)
+    assert kernels["QLinearConv"] == 5 and kernels["Conv"] == 0 and kernels["QLinearConcat"] == 0, kernels

@@ -12,7 +12,9 @@ tensors with no quantizer after it (NNCF's YOLOv8 C2f blocks), the Concat output
 
     DQ(a), DQ(b) -> Concat -> W      ==>     DQ(a), DQ(b) -> Concat -> Q(s, z) -> DQ(s, z) -> W
 
-which ORT runs as QLinearConcat feeding the integer op.
+which ORT runs as QLinearConcat feeding the integer op; unless all its inputs share one set of
+parameters, seen through MaxPools (YOLOv8's SPPF): ``move-dq-forward`` then moves the DQ past the
+MaxPools and the Concat, exactly, and the Concat needs no quantizer.
 with ``(s, z)`` the asymmetric grid of the data input's type over ``[min(lo, 0), max(hi, 0)]``, the
 range the op's output took on calibration feeds (the caller's, else synthetic ones), measured with
 ONNX Runtime on the input model (:func:`measure_output_ranges`).
@@ -46,11 +48,21 @@ RULE_NAME = "quantize-weighted-outputs"
 _PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
 
 
+def _opset(node: ir.Node) -> int:
+    opsets = node.graph.opset_imports if node.graph is not None else {}
+    return opsets.get("", opsets.get("ai.onnx", 1))
+
+
 def _dequantized_params(value: ir.Value | None) -> _qdq.QuantParams | None:
-    """Per-tensor 8-bit parameters of the DQ writing ``value``, seen through a Split
-    (``move-dq-past-split`` then puts a DQ right at ``value``)."""
+    """Per-tensor 8-bit parameters of the DQ writing ``value``, seen through a Split and through
+    MaxPools (opset >= 12): ``move-dq-past-split`` and ``move-dq-forward`` then put a DQ right at
+    ``value``, exactly."""
     node = value.producer() if value is not None else None
     if node is not None and node.op_type == "Split" and node.inputs[0] is not None:
+        node = node.inputs[0].producer()
+    while (node is not None and node.op_type == "MaxPool" and node.domain in _qdq.DEFAULT_DOMAINS
+           and _opset(node) >= 12 and node.inputs[0] is not None
+           and not (len(node.outputs) > 1 and node.outputs[1].uses())):
         node = node.inputs[0].producer()
     if not _qdq.is_dequantize(node):
         return None
@@ -58,15 +70,17 @@ def _dequantized_params(value: ir.Value | None) -> _qdq.QuantParams | None:
     return params if params is not None and params.is_per_tensor and params.dtype in _qdq.EIGHT_BIT else None
 
 
-def _concat_of_dequantized(value: ir.Value | None) -> _qdq.QuantParams | None:
-    """The parameters of the first input when ``value`` is a Concat of dequantized 8-bit tensors of one type."""
+def _concat_of_dequantized(value: ir.Value | None) -> tuple[_qdq.QuantParams, bool] | None:
+    """When ``value`` is a Concat of dequantized 8-bit tensors of one type: the first input's
+    parameters, and whether all inputs share them (then ``move-dq-forward`` makes the Concat output
+    a dequantized tensor exactly, and it needs no quantizer of its own)."""
     node = value.producer() if value is not None else None
     if node is None or node.op_type != "Concat" or node.domain not in _qdq.DEFAULT_DOMAINS or not node.inputs:
         return None
     params = [_dequantized_params(v) for v in node.inputs]
     if any(p is None for p in params) or len({p.dtype for p in params}) != 1:
         return None
-    return params[0]
+    return params[0], all(p.same_as(params[0]) for p in params)
 
 
 def _has_weight(node: ir.Node) -> bool:
@@ -119,10 +133,11 @@ def sites(graph: ir.Graph) -> list[Site]:
             continue
         like = _dequantized_params(node.inputs[0])
         concat = _concat_of_dequantized(node.inputs[0]) if like is None else None
-        if concat is not None and _open(node.inputs[0]) and node.inputs[0] not in seen:
-            found.append(Site(node.inputs[0], concat, node, "input"))
-            seen.add(node.inputs[0])
-        like = like or concat
+        if concat is not None:
+            like, shared = concat
+            if not shared and _open(node.inputs[0]) and node.inputs[0] not in seen:
+                found.append(Site(node.inputs[0], like, node, "input"))
+                seen.add(node.inputs[0])
         site = quantizer_site(node)
         if like is not None and _open(site) and not _reaches_quantizer(node.outputs[0]) and site not in seen:
             found.append(Site(site, like, node, "output"))

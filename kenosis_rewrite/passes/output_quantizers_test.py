@@ -120,7 +120,8 @@ def test_a_concat_of_dequantized_tensors_feeding_a_conv_gets_an_input_quantizer(
 
 
 def test_nncf_c2f_block_runs_all_integer_after_fix_and_keeps_nncf_fidelity():
-    """NNCF 3.4 output of a YOLOv8 C2f-style block (tests/fixtures): DQ before Split, float Concat, no output Qs."""
+    """NNCF 3.4 output of a YOLOv8 C2f-style block (tests/fixtures): DQ before Split, float Concat of inputs
+    that share one (unified) scale, no output Qs."""
     fixtures = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures"
     qdq, fp32 = onnx.load(fixtures / "c2fish_nncf3.4.onnx"), onnx.load(fixtures / "c2fish_fp32.onnx")
     assert kenosis_rewrite.explain(qdq).integer_mac_fraction == 0.0
@@ -130,9 +131,10 @@ def test_nncf_c2f_block_runs_all_integer_after_fix_and_keeps_nncf_fidelity():
     # the rules' own result, and what the graph computes
     fixed, report = kenosis_rewrite.fix(qdq, float_model=fp32, calibration=calibration, return_report=True, verify=False)
     counts = report.change_counts()
-    assert counts.get("move-dq-past-split") == 1 and counts.get(RULE_NAME) == 6, report.summary()
+    assert counts.get("move-dq-past-split") == 1 and counts.get(RULE_NAME) == 5, report.summary()
+    assert counts.get("move-dq-forward") == 1  # the Concat runs on the uint8 tensors, no quantizer of its own
     assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
-    assert _testing.ort_optimized_op_types(fixed)["QLinearConcat"] == 1
+    assert _testing.ort_optimized_op_types(fixed)["QLinearConcat"] == 0
     assert _testing.graph_cosine(fp32, fixed, held_out) >= _testing.graph_cosine(fp32, qdq, held_out) - 0.002
     # as this host runs it, with the guard: kept where the integer kernels reproduce the graph
     guarded, guarded_report = kenosis_rewrite.fix(qdq, float_model=fp32, calibration=calibration, return_report=True)
@@ -142,3 +144,37 @@ def test_nncf_c2f_block_runs_all_integer_after_fix_and_keeps_nncf_fidelity():
     assert guarded.SerializeToString() == fixed.SerializeToString()
     scores = fidelity.compare_to_float(fp32, {"nncf": qdq, "fixed": guarded}, held_out)
     assert scores["fixed"]["cosine"] >= scores["nncf"]["cosine"] - _testing.saturation_tolerance(0.002), scores
+
+
+SPPF = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 2, 6, 6] x) => (float[1, 3, 6, 6] y)
+<float sx = {0.02}, uint8 zx = {128}, int8[3, 6, 1, 1] wq = {3, -7, 5, 2, 1, -1, 4, 4, -2, 6, 0, 1, -3, 2, 2, 5, -1, 7},
+ float ws = {0.05}, int8 wz = {0}>
+{
+  q = QuantizeLinear(x, sx, zx)
+  d = DequantizeLinear(q, sx, zx)
+  m1 = MaxPool <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (d)
+  m2 = MaxPool <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (m1)
+  cat = Concat <axis: int = 1> (d, m1, m2)
+  w = DequantizeLinear(wq, ws, wz)
+  c = Conv(cat, w)
+  s = Sigmoid(c)
+  y = Mul(c, s)
+}
+"""
+
+
+def test_an_sppf_concat_of_one_dequantized_tensor_needs_no_quantizer_of_its_own():
+    """NNCF's YOLOv8 SPPF: MaxPools of one dequantized tensor and their Concat stay float. The Concat's
+    inputs share one grid (seen through the MaxPools), so only the Conv output gets a quantizer and
+    move-dq-forward puts the DQ at the Conv exactly: no extra rounding at the Concat."""
+    proto = onnx.parser.parse_model(SPPF)
+    feeds = [{"x": np.random.default_rng(seed).uniform(-1, 1, (1, 2, 6, 6)).astype(np.float32)} for seed in range(4)]
+    assert set(measure_output_ranges(proto, feeds)) == {"c"}
+    fixed, report = kenosis_rewrite.fix(proto, calibration=feeds, return_report=True, verify=False)
+    counts = report.change_counts()
+    assert counts.get(RULE_NAME) == 1 and counts.get("move-dq-forward") == 3, report.summary()
+    optimized = _testing.ort_optimized_op_types(fixed)
+    assert optimized["QLinearConv"] == 1 and optimized["Conv"] == 0 and optimized["QLinearConcat"] == 0
+    assert _testing.graph_cosine(proto, fixed, feeds) > 0.999

@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.passes._base import ReportingPass, remove_unused_nodes
+from kenosis_rewrite.report import FixReport
 
 COMMUTING_OPS = frozenset(
     {
@@ -53,10 +54,12 @@ def _commutes(node: ir.Node, opset: int, params: _qdq.QuantParams | None = None)
     return True
 
 
-def _copy_node(graph: ir.Graph, node: ir.Node, inputs: list[ir.Value | None], anchor: ir.Node) -> ir.Node:
+def _copy_node(
+    graph: ir.Graph, node: ir.Node, inputs: list[ir.Value | None], anchor: ir.Node, names: _qdq.NameAllocator,
+) -> ir.Node:
     copy = ir.Node(
         node.domain, node.op_type, inputs, attributes=list(node.attributes.values()),
-        num_outputs=1, name=_qdq.unique_name(graph, f"{node.name or node.op_type}_q"),
+        num_outputs=1, name=names.fresh(f"{node.name or node.op_type}_q"),
     )
     graph.insert_after(anchor, copy)
     return copy
@@ -76,20 +79,38 @@ def _redirect(old: ir.Value, new: ir.Value) -> None:
 
 
 class DequantizeForwardPass(ReportingPass):
-    """``DQ -> P`` ==> ``P -> DQ`` for commuting ops; see the module docstring."""
+    """``DQ -> P`` ==> ``P -> DQ`` for commuting ops; see the module docstring.
+
+    ``ops`` limits the ops moved past (default: all commuting ops and Concat). With
+    ``float_consumers_only`` an op whose output a QuantizeLinear reads is left alone: ORT CPU already
+    runs ``DQ -> P -> Q`` on the integer tensor (its own QDQ node units), and only ops whose output
+    stays float (NNCF leaves YOLOv8's SPPF ``MaxPool -> Concat -> Conv`` unquantized) gain.
+    """
 
     rule_name = "move-dq-forward"
 
+    def __init__(self, report: FixReport | None = None, ops: frozenset[str] | None = None, float_consumers_only: bool = False):
+        super().__init__(report)
+        self.ops = ops
+        self.float_consumers_only = float_consumers_only
+
+    def _candidate(self, node: ir.Node, opset: int) -> bool:
+        if node.graph is None or not _commutes(node, opset) and node.op_type != "Concat":
+            return False
+        if self.ops is not None and node.op_type not in self.ops:
+            return False
+        return not (self.float_consumers_only and any(_qdq.is_quantize(use.node) for use in node.outputs[0].uses()))
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, opset, modified = model.graph, _opset(model), False
+        graph, opset, modified, names = model.graph, _opset(model), False, None
         for node in list(graph):
-            if node.graph is None or not _commutes(node, opset) and node.op_type != "Concat":
-                continue
-            modified |= self._move(graph, node, opset)
+            if self._candidate(node, opset):
+                names = names or _qdq.NameAllocator(graph)
+                modified |= self._move(graph, node, opset, names)
         remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _move(self, graph: ir.Graph, node: ir.Node, opset: int) -> bool:
+    def _move(self, graph: ir.Graph, node: ir.Node, opset: int, names: _qdq.NameAllocator) -> bool:
         data_inputs = list(node.inputs) if node.op_type == "Concat" else node.inputs[:1]
         dequantizers = [v.producer() if v is not None else None for v in data_inputs]
         if not dequantizers or not all(_qdq.is_dequantize(dq) for dq in dequantizers):
@@ -100,11 +121,11 @@ class DequantizeForwardPass(ReportingPass):
         if node.op_type != "Concat" and not _commutes(node, opset, params[0]):
             return False
         quantized = [dq.inputs[0] for dq in dequantizers]
-        moved = _copy_node(graph, node, quantized + list(node.inputs[len(data_inputs):]), node)
+        moved = _copy_node(graph, node, quantized + list(node.inputs[len(data_inputs):]), node, names)
         first = dequantizers[0]
         dequantize = ir.Node(
             "", "DequantizeLinear", [moved.outputs[0], *first.inputs[1:]],
-            attributes=list(first.attributes.values()), name=_qdq.unique_name(graph, f"{first.name or 'dq'}_forward"),
+            attributes=list(first.attributes.values()), name=names.fresh(f"{first.name or 'dq'}_forward"),
         )
         graph.insert_after(moved, dequantize)
         _redirect(node.outputs[0], dequantize.outputs[0])
@@ -157,14 +178,15 @@ class QuantizeBackwardPass(ReportingPass):
     rule_name = "move-q-backward"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, opset, modified = model.graph, _opset(model), False
+        graph, opset, modified, names = model.graph, _opset(model), False, None
         for node in list(graph):
             if _qdq.is_quantize(node):
-                modified |= self._move(graph, node, opset)
+                names = names or _qdq.NameAllocator(graph)
+                modified |= self._move(graph, node, opset, names)
         remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _move(self, graph: ir.Graph, quantize: ir.Node, opset: int) -> bool:
+    def _move(self, graph: ir.Graph, quantize: ir.Node, opset: int, names: _qdq.NameAllocator) -> bool:
         op = quantize.inputs[0].producer()
         if op is None or not _commutes(op, opset, _qdq.quant_params(quantize)) or op.inputs[0] is None:
             return False
@@ -172,10 +194,10 @@ class QuantizeBackwardPass(ReportingPass):
             return False  # DQ forward handles it / the float output is read elsewhere too
         early = ir.Node(
             "", "QuantizeLinear", [op.inputs[0], *quantize.inputs[1:]], attributes=list(quantize.attributes.values()),
-            name=_qdq.unique_name(graph, f"{quantize.name or 'q'}_backward"),
+            name=names.fresh(f"{quantize.name or 'q'}_backward"),
         )
         graph.insert_before(op, early)
-        moved = _copy_node(graph, op, [early.outputs[0], *op.inputs[1:]], early)
+        moved = _copy_node(graph, op, [early.outputs[0], *op.inputs[1:]], early, names)
         _redirect(quantize.outputs[0], moved.outputs[0])
         self.changed(op.name or op.op_type, f"{op.op_type} now runs on the quantized tensor", exact=True)
         return True

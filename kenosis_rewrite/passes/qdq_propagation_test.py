@@ -114,3 +114,44 @@ def test_split_runs_on_the_quantized_tensor_with_one_dq_per_used_output_exactly(
     feed = {"x": np.random.default_rng(1).uniform(-6, 6, (1, 4, 4, 4)).astype(np.float32)}
     for before, after in zip(_testing.outputs(proto, feed, optimized=False), _testing.outputs(out, feed, optimized=False)):
         np.testing.assert_array_equal(before, after)
+
+
+SPPF = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,6,6] x) => (float[1,3,6,6] y, float[1,2,6,6] t)
+<float s = {0.05}, uint8 z = {128}, int8[3,6,1,1] wq = {3, -7, 5, 2, 1, -1, 4, 4, -2, 6, 0, 1, -3, 2, 2, 5, -1, 7},
+ float ws = {0.1}, int8 wz = {0}>
+{
+  q = QuantizeLinear(x, s, z)
+  d = DequantizeLinear(q, s, z)
+  m1 = MaxPool<kernel_shape=[3,3], pads=[1,1,1,1]>(d)
+  m2 = MaxPool<kernel_shape=[3,3], pads=[1,1,1,1]>(m1)
+  cat = Concat<axis=1>(d, m1, m2)
+  w = DequantizeLinear(wq, ws, wz)
+  c = Conv(cat, w)
+  qc = QuantizeLinear(c, s, z)
+  y = DequantizeLinear(qc, s, z)
+  m3 = MaxPool<kernel_shape=[3,3], pads=[1,1,1,1]>(d)
+  q3 = QuantizeLinear(m3, s, z)
+  t = DequantizeLinear(q3, s, z)
+}
+"""
+
+
+def test_float_consumers_only_moves_dq_past_an_sppf_to_the_conv_and_leaves_quantized_outputs_exactly():
+    """NNCF's YOLOv8 SPPF: MaxPools and a Concat of one dequantized tensor, all float, feed a Conv."""
+    proto = onnx.parser.parse_model(SPPF)
+    out = _apply(proto, DequantizeForwardPass(ops=frozenset({"MaxPool", "Concat"}), float_consumers_only=True))
+    conv = next(n for n in out.graph.node if n.op_type == "Conv")
+    assert _testing.producer_of(out, conv.input[0]).op_type == "DequantizeLinear"
+    assert _testing.producer_of(out, _testing.producer_of(out, conv.input[0]).input[0]).op_type == "Concat"
+    # the MaxPool whose output a Q reads is ORT's own QDQ node unit: left as it was
+    assert _testing.producer_of(out, _testing.producer_of(out, "q3").input[0]).input[0] == "d"
+    assert _testing.op_types(out)["MaxPool"] == 3
+    feed = {"x": np.random.default_rng(0).uniform(-3, 3, (1, 2, 6, 6)).astype(np.float32)}
+    # the graph computes the same function (ORT's integer kernel rounds its own way: compare graphs unoptimized)
+    for before, after in zip(_testing.outputs(proto, feed, optimized=False), _testing.outputs(out, feed, optimized=False)):
+        np.testing.assert_array_equal(after, before)
+    optimized = _testing.ort_optimized_op_types(out)
+    assert optimized["QLinearConv"] == 1 and optimized["Conv"] == 0, optimized  # on the quantized Concat
+    assert _testing.ort_optimized_op_types(proto)["Conv"] == 1  # before: float Conv on the float Concat

@@ -21,7 +21,9 @@ It matters for speed because ORT CPU removes the Q/DQ around a pass-through op (
 integer tensor) only when both sides have identical parameters; the activation rules change
 parameters upstream, and this pass keeps the chain aligned.
 
-Refused with a reason: an output Q that clamps reachable values, a Q read by anything but
+Refused with a reason: an output Q that clamps reachable values, an output that feeds a Concat
+whose inputs all share the output Q's parameters (NNCF's unified Concat scales: aligning one input
+would leave the Concat, and the Conv after it, float), a Q read by anything but
 DequantizeLinear, a Q that is a graph output, a different quantized type on the two sides,
 per-axis or blocked parameters.
 """
@@ -42,6 +44,18 @@ def _round_trip_is_identity(p_in: _qdq.QuantParams, p_out: _qdq.QuantParams) -> 
     lo, hi = _qdq.INTEGER_RANGES[p_in.dtype]
     grid = _qdq.dequantize_array(np.arange(lo, hi + 1, dtype=np.int64), p_in)
     return bool(np.array_equal(_qdq.dequantize_array(_qdq.quantize_array(grid, p_out), p_out), grid))
+
+
+def _feeds_unified_concat(dequantizers: list[ir.Node], params: _qdq.QuantParams) -> bool:
+    """True when one of ``dequantizers`` feeds a Concat all of whose inputs are DQs with ``params``."""
+    for dq in dequantizers:
+        for user, _ in dq.outputs[0].uses():
+            if user.op_type != "Concat" or user.domain not in ("", "ai.onnx") or len(user.inputs) < 2:
+                continue
+            producers = [v.producer() if v is not None else None for v in user.inputs]
+            if all(_qdq.is_dequantize(p) and (q := _qdq.quant_params(p)) is not None and q.same_as(params) for p in producers):
+                return True
+    return False
 
 
 class PassThroughQParamsPass(ReportingPass):
@@ -83,6 +97,12 @@ class PassThroughQParamsPass(ReportingPass):
         consumers = _qdq.dequantize_consumers(output)
         if consumers is None:
             self.refused(where, f"quantized output {output.name!r} is read by a non-DequantizeLinear node")
+            return False
+        if _feeds_unified_concat(consumers, p_out):
+            self.refused(
+                where, "its output feeds a Concat whose inputs all share the output quantizer's parameters "
+                "(unified scales, which ORT runs on the integer tensors); aligning would break them",
+            )
             return False
         clamp = value_range.quantizer_clamp(quantize)
         if clamp is not None:

@@ -61,3 +61,60 @@ def test_aligned_chain_is_left_alone():
         "y = DequantizeLinear(q2, s2, z2)", "y = DequantizeLinear(q2, s1, z1)")
     _, report = _apply(onnx.parser.parse_model(text))
     assert not report.changes and not report.refusals
+
+
+RESIZE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,4,4] x) => (float[1,2,8,8] y)
+<float s1 = {0.05}, uint8 z1 = {0}, float s2 = {0.07}, uint8 z2 = {3}, float[4] scales = {1, 1, 2, 2}>
+{
+  r = Relu(x)
+  q1 = QuantizeLinear(r, s1, z1)
+  d1 = DequantizeLinear(q1, s1, z1)
+  p = Resize<mode="MODE">(d1, "", scales)
+  q2 = QuantizeLinear(p, s2, z2)
+  y = DequantizeLinear(q2, s2, z2)
+}
+"""
+
+
+def test_nearest_resize_is_pass_through_and_linear_resize_is_not():
+    feed = {"x": np.random.default_rng(0).uniform(-1, 14, (1, 2, 4, 4)).astype(np.float32)}
+    nearest = onnx.parser.parse_model(RESIZE.replace("MODE", "nearest"))
+    fixed, report = _apply(nearest)
+    assert _testing.producer_of(fixed, "q2").input[1:] == ["s1", "z1"], report.summary()
+    reference = onnx.parser.parse_model(RESIZE.replace("MODE", "nearest").replace(
+        "q2 = QuantizeLinear(p, s2, z2)\n  y = DequantizeLinear(q2, s2, z2)", "y = Identity(p)"))
+    np.testing.assert_array_equal(_testing.outputs(reference, feed)[0], _testing.outputs(fixed, feed)[0])
+    # ORT drops the aligned Q/DQ and resizes the uint8 tensor
+    assert _testing.ort_optimized_op_types(fixed)["DequantizeLinear"] < _testing.ort_optimized_op_types(nearest)["DequantizeLinear"]
+    fixed, report = _apply(onnx.parser.parse_model(RESIZE.replace("MODE", "linear")))
+    assert not report.changes and _testing.producer_of(fixed, "q2").input[1] == "s2"  # interpolates: new values
+
+
+UNIFIED_CONCAT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,4,4] x, float[1,2,8,8] skip) => (float[1,4,8,8] y)
+<float s1 = {0.05}, uint8 z1 = {0}, float s2 = {0.07}, uint8 z2 = {0}, float[4] scales = {1, 1, 2, 2}>
+{
+  q1 = QuantizeLinear(x, s1, z1)
+  d1 = DequantizeLinear(q1, s1, z1)
+  p = Resize<mode="nearest">(d1, "", scales)
+  q2 = QuantizeLinear(p, s2, z2)
+  d2 = DequantizeLinear(q2, s2, z2)
+  qs = QuantizeLinear(skip, s2, z2)
+  ds = DequantizeLinear(qs, s2, z2)
+  y = Concat<axis=1>(d2, ds)
+}
+"""
+
+
+def test_an_output_feeding_a_concat_with_unified_scales_is_not_aligned():
+    """NNCF gives every Concat input one scale; aligning the Resize would break that and leave the Concat float."""
+    fixed, report = _apply(onnx.parser.parse_model(UNIFIED_CONCAT))
+    assert not report.changes and "unified" in report.refusals[0].reason
+    assert _testing.producer_of(fixed, "q2").input[1] == "s2"
+    different = UNIFIED_CONCAT.replace("qs = QuantizeLinear(skip, s2, z2)\n  ds = DequantizeLinear(qs, s2, z2)",
+                                       "qs = QuantizeLinear(skip, s1, z1)\n  ds = DequantizeLinear(qs, s1, z1)")
+    fixed, report = _apply(onnx.parser.parse_model(different))
+    assert [c.rule for c in report.changes] == [RULE_NAME]
