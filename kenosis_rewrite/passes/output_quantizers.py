@@ -84,8 +84,15 @@ def _concat_of_dequantized(value: ir.Value | None) -> tuple[_qdq.QuantParams, bo
 
 
 def _has_weight(node: ir.Node) -> bool:
+    """The op's weight is a dequantized constant: ``DQ(int8 constant)``, or ``DQ(Q(float constant))``
+    as ModelOpt writes it (``fold-constant-quantize`` turns that into the first form)."""
     weight = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    return _qdq.is_dequantize(weight) and _qdq.const_array(weight.inputs[0]) is not None
+    if not _qdq.is_dequantize(weight):
+        return False
+    source = weight.inputs[0].producer()
+    if _qdq.is_quantize(source):
+        return _qdq.const_array(source.inputs[0]) is not None
+    return _qdq.const_array(weight.inputs[0]) is not None
 
 
 def _reaches_quantizer(value: ir.Value) -> bool:
