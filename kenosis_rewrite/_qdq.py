@@ -203,6 +203,12 @@ def set_per_tensor_params(
         node.attributes.pop("axis", None)
 
 
+def default_opset(owner: ir.Model | ir.Graph) -> int:
+    """The default-domain (``""`` or ``"ai.onnx"``) opset of a model or graph; 1 when none is imported."""
+    opsets = owner.opset_imports
+    return opsets.get("", opsets.get("ai.onnx", 1))
+
+
 def graph_value_names(graph: ir.Graph) -> set[str]:
     """Every value and initializer name of ``graph`` (top level)."""
     names = set(graph.initializers)
@@ -237,6 +243,18 @@ def constant_maker(op, graph: ir.Graph | None, base: str):
         return op.initializer(ir.tensor(np.asarray(values, dtype=dtype), name=name), name=name)
 
     return make
+
+
+def shared_dequantize_params(values) -> QuantParams | None:
+    """The per-tensor parameters every one of ``values`` is dequantized with, when each is written by
+    a DequantizeLinear and all use the same parameters; else None."""
+    producers = [v.producer() if v is not None else None for v in values]
+    if not producers or not all(is_dequantize(p) for p in producers):
+        return None
+    params = [quant_params(p) for p in producers]
+    if any(p is None or not p.is_per_tensor for p in params) or not all(p.same_as(params[0]) for p in params):
+        return None
+    return params[0]
 
 
 def dequantize_consumers(value: ir.Value) -> list[ir.Node] | None:

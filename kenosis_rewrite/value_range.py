@@ -80,8 +80,9 @@ def is_pass_through(node: ir.Node | None) -> bool:
     if node is None or node.domain not in _DEFAULT_DOMAINS:
         return False
     if node.op_type in _NEAREST_RESAMPLING_OPS:
-        return node.attributes.get_string("mode", "nearest") == "nearest" and bool(node.inputs) and node.inputs[0] is not None
-    if node.op_type not in PASS_THROUGH_OPS:
+        if node.attributes.get_string("mode", "nearest") != "nearest":
+            return False
+    elif node.op_type not in PASS_THROUGH_OPS:
         return False
     if node.op_type == "MaxPool" and len(node.outputs) > 1 and node.outputs[1].uses():
         return False  # the Indices output is not a value of the input

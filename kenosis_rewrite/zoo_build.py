@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import math
 import pickle
+import types
 from collections.abc import Mapping
 
 import numpy as np
@@ -208,7 +209,7 @@ def efficientnet_lite0(state: Mapping[str, np.ndarray]) -> onnx.ModelProto:
 
 
 # builder name (ZooModel.build) -> (weights loader, graph builder)
-BUILDERS = {
+BUILDERS = types.MappingProxyType({
     "torchvision_mobilenet_v2": (load_legacy_state_dict, mobilenet_v2),
     "efficientnet_lite0": (load_legacy_state_dict, efficientnet_lite0),
-}
+})

@@ -28,10 +28,6 @@ _WIDE_TYPES_OPSET = 21  # int16/uint16/int4/uint4 in QuantizeLinear/DequantizeLi
 _PER_AXIS_OPSET = 13
 
 
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-
-
 def _standard_opset_needed(node: ir.Node) -> int | str:
     """The default-domain opset that defines ``node``'s type and layout, or why none does."""
     params = _qdq.quant_params(node, domains=(_CONTRIB,))
@@ -54,7 +50,7 @@ class ContribQDQToStandardPass(ReportingPass):
     rule_name = RULE_NAME
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, opset, modified = model.graph, _opset(model), False
+        graph, opset, modified = model.graph, _qdq.default_opset(model), False
         for node in list(graph):
             if node.domain != _CONTRIB or node.op_type not in (_qdq.QUANTIZE, _qdq.DEQUANTIZE):
                 continue

@@ -43,14 +43,10 @@ import onnx_ir as ir
 
 from kenosis_rewrite import _qdq, fidelity
 from kenosis_rewrite.passes._base import ReportingPass
+from kenosis_rewrite.passes.qdq_propagation import commutes_with_qdq
 
 RULE_NAME = "quantize-weighted-outputs"
 _PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
-
-
-def _opset(node: ir.Node) -> int:
-    opsets = node.graph.opset_imports if node.graph is not None else {}
-    return opsets.get("", opsets.get("ai.onnx", 1))
 
 
 def _dequantized_params(value: ir.Value | None) -> _qdq.QuantParams | None:
@@ -60,9 +56,9 @@ def _dequantized_params(value: ir.Value | None) -> _qdq.QuantParams | None:
     node = value.producer() if value is not None else None
     if node is not None and node.op_type == "Split" and node.inputs[0] is not None:
         node = node.inputs[0].producer()
-    while (node is not None and node.op_type == "MaxPool" and node.domain in _qdq.DEFAULT_DOMAINS
-           and _opset(node) >= 12 and node.inputs[0] is not None
-           and not (len(node.outputs) > 1 and node.outputs[1].uses())):
+    # the MaxPools move-dq-forward moves a DQ past (8-bit types are checked below)
+    while (node is not None and node.op_type == "MaxPool" and node.graph is not None and node.inputs[0] is not None
+           and commutes_with_qdq(node, _qdq.default_opset(node.graph))):
         node = node.inputs[0].producer()
     if not _qdq.is_dequantize(node):
         return None

@@ -40,11 +40,7 @@ COMMUTING_OPS = frozenset(
 )
 
 
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-
-
-def _commutes(node: ir.Node, opset: int, params: _qdq.QuantParams | None = None) -> bool:
+def commutes_with_qdq(node: ir.Node, opset: int, params: _qdq.QuantParams | None = None) -> bool:
     """True when ``node`` commutes with Q/DQ of ``params`` and runs on their quantized type."""
     if node.domain not in ("", "ai.onnx") or node.op_type not in COMMUTING_OPS:
         return False
@@ -95,14 +91,14 @@ class DequantizeForwardPass(ReportingPass):
         self.float_consumers_only = float_consumers_only
 
     def _candidate(self, node: ir.Node, opset: int) -> bool:
-        if node.graph is None or not _commutes(node, opset) and node.op_type != "Concat":
+        if node.graph is None or not commutes_with_qdq(node, opset) and node.op_type != "Concat":
             return False
         if self.ops is not None and node.op_type not in self.ops:
             return False
         return not (self.float_consumers_only and any(_qdq.is_quantize(use.node) for use in node.outputs[0].uses()))
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, opset, modified, names = model.graph, _opset(model), False, None
+        graph, opset, modified, names = model.graph, _qdq.default_opset(model), False, None
         for node in list(graph):
             if self._candidate(node, opset):
                 names = names or _qdq.NameAllocator(graph)
@@ -112,14 +108,10 @@ class DequantizeForwardPass(ReportingPass):
 
     def _move(self, graph: ir.Graph, node: ir.Node, opset: int, names: _qdq.NameAllocator) -> bool:
         data_inputs = list(node.inputs) if node.op_type == "Concat" else node.inputs[:1]
-        dequantizers = [v.producer() if v is not None else None for v in data_inputs]
-        if not dequantizers or not all(_qdq.is_dequantize(dq) for dq in dequantizers):
+        params = _qdq.shared_dequantize_params(data_inputs)
+        if params is None or node.op_type != "Concat" and not commutes_with_qdq(node, opset, params):
             return False
-        params = [_qdq.quant_params(dq) for dq in dequantizers]
-        if any(p is None or not p.is_per_tensor for p in params) or not all(p.same_as(params[0]) for p in params):
-            return False
-        if node.op_type != "Concat" and not _commutes(node, opset, params[0]):
-            return False
+        dequantizers = [v.producer() for v in data_inputs]
         quantized = [dq.inputs[0] for dq in dequantizers]
         moved = _copy_node(graph, node, quantized + list(node.inputs[len(data_inputs):]), node, names)
         first = dequantizers[0]
@@ -178,7 +170,7 @@ class QuantizeBackwardPass(ReportingPass):
     rule_name = "move-q-backward"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, opset, modified, names = model.graph, _opset(model), False, None
+        graph, opset, modified, names = model.graph, _qdq.default_opset(model), False, None
         for node in list(graph):
             if _qdq.is_quantize(node):
                 names = names or _qdq.NameAllocator(graph)
@@ -188,7 +180,7 @@ class QuantizeBackwardPass(ReportingPass):
 
     def _move(self, graph: ir.Graph, quantize: ir.Node, opset: int, names: _qdq.NameAllocator) -> bool:
         op = quantize.inputs[0].producer()
-        if op is None or not _commutes(op, opset, _qdq.quant_params(quantize)) or op.inputs[0] is None:
+        if op is None or not commutes_with_qdq(op, opset, _qdq.quant_params(quantize)) or op.inputs[0] is None:
             return False
         if _qdq.is_dequantize(op.inputs[0].producer()) or len(op.outputs[0].uses()) != 1:
             return False  # DQ forward handles it / the float output is read elsewhere too

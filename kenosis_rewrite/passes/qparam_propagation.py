@@ -50,10 +50,10 @@ def _feeds_unified_concat(dequantizers: list[ir.Node], params: _qdq.QuantParams)
     """True when one of ``dequantizers`` feeds a Concat all of whose inputs are DQs with ``params``."""
     for dq in dequantizers:
         for user, _ in dq.outputs[0].uses():
-            if user.op_type != "Concat" or user.domain not in ("", "ai.onnx") or len(user.inputs) < 2:
+            if user.op_type != "Concat" or user.domain not in _qdq.DEFAULT_DOMAINS or len(user.inputs) < 2:
                 continue
-            producers = [v.producer() if v is not None else None for v in user.inputs]
-            if all(_qdq.is_dequantize(p) and (q := _qdq.quant_params(p)) is not None and q.same_as(params) for p in producers):
+            shared = _qdq.shared_dequantize_params(user.inputs)
+            if shared is not None and shared.same_as(params):
                 return True
     return False
 
