@@ -335,7 +335,7 @@ def test_run_bench_on_a_real_model_uses_real_photos(tmp_path_factory):
 def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
     import onnx
 
-    from kenosis_rewrite import _timing, bench, toy_models
+    from kenosis_rewrite import bench, toy_models
 
     monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "toy.onnx"
@@ -350,7 +350,7 @@ def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
 
 
 def test_min_seconds_adds_runs_for_fast_models():
-    from kenosis_rewrite import _timing, bench, toy_models
+    from kenosis_rewrite import bench, toy_models
 
     model = toy_models.build("conv_relu")
     feed = toy_models.random_feeds(model, 1)[0]
