@@ -498,12 +498,20 @@ def _load_user_model(path: str) -> onnx.ModelProto:
         raise NotAnOnnxModelError(f"{path}: not a readable ONNX model ({error})") from error
 
 
-def _zoo_inputs(name: str, calibration_samples: int, cache_dir: str | None) -> _Inputs:
-    """Real photos through the model's preprocessing: first ones calibrate, the rest evaluate."""
+def _zoo_inputs(name: str, calibration_samples: int, cache_dir: str | None, photos: str = "default") -> _Inputs:
+    """Real photos through the model's preprocessing: first ones calibrate, the rest evaluate.
+    ``photos="large"``: calibrate on scenes, evaluate on 100 photos of objects (``zoo.PHOTO_SETS``)."""
     from kenosis_rewrite import zoo  # noqa: PLC0415
 
     entry = zoo.get_model(name)
     model = zoo.load_model(entry.name, cache_dir)
+    if photos == "large":
+        calibration = zoo.model_feeds(entry.name, zoo.load_photo_set("scenes", max(1, calibration_samples), cache_dir))
+        evaluation = zoo.model_feeds(entry.name, zoo.load_photo_set("objects", cache_dir=cache_dir))
+        return _Inputs(f"zoo:{entry.name}", model, calibration, evaluation, entry.class_output,
+                       f"{len(evaluation)} held-out real photos of objects (calibrated on {len(calibration)} scenes)")
+    if photos != "default":
+        raise ValueError(f"photos must be 'default' or 'large', not {photos!r}")
     feeds = zoo.model_feeds(entry.name, zoo.load_photos(cache_dir=cache_dir))
     count = max(1, min(calibration_samples, len(feeds) - 1))
     calibration, evaluation = feeds[:count], feeds[count:]
@@ -519,9 +527,9 @@ def _path_inputs(path: str, calibration_samples: int) -> _Inputs:
                    "4 random N(0,1) inputs (synthetic; a user model has no known preprocessing)")
 
 
-def _resolve_inputs(model: str, calibration_samples: int, cache_dir: str | None) -> _Inputs:
+def _resolve_inputs(model: str, calibration_samples: int, cache_dir: str | None, photos: str = "default") -> _Inputs:
     if model.startswith("zoo:"):
-        return _zoo_inputs(model[len("zoo:"):], calibration_samples, cache_dir)
+        return _zoo_inputs(model[len("zoo:"):], calibration_samples, cache_dir, photos)
     return _path_inputs(model, calibration_samples)
 
 
@@ -701,13 +709,15 @@ def run_bench(
     retries: int = 2,
     peers: Sequence[str] = (),
     also_threads: Sequence[int] = (),
+    photos: str = "default",
 ) -> BenchResult:
     """FP32 vs ``quantize_static`` in each config vs its ``fix()``: latency, size, integer MACs, fidelity.
 
     Args:
         model: a path to an FP32 ``.onnx`` model, or ``"zoo:NAME"`` for a registered real model
             (real photos, the model's own preprocessing; the first ``calibration_samples``
-            photos calibrate, the others evaluate fidelity). A user path gets random N(0,1)
+            photos calibrate, the others evaluate fidelity; ``photos="large"``: scenes calibrate,
+            100 photos of objects evaluate). A user path gets random N(0,1)
             inputs with dynamic dims set to 1 (batch) or 224/128.
         configs: names from :data:`kenosis_rewrite.ort_quantize.ORT_CONFIGS`.
         streams: when > 0, also measure concurrent throughput with that many 1-thread sessions.
@@ -730,7 +740,7 @@ def run_bench(
     if unknown:
         raise KenosisError(f"unknown quantize_static config(s) {unknown}; known: {', '.join(ORT_CONFIGS)}")
     say(f"loading {model}")
-    inputs = _resolve_inputs(model, calibration_samples, cache_dir)
+    inputs = _resolve_inputs(model, calibration_samples, cache_dir, photos)
     models, results = _build_variants(inputs, configs, include_fix, say, include_latency, include_quantize,
                                       peers, cache_dir)
     say("FP32 reference outputs")
@@ -782,6 +792,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-seconds", type=float, default=3.0,
                         help="more runs when needed to time each variant this long (default 3)")
     parser.add_argument("--calibration-samples", type=int, default=6, help="calibration inputs (default 6)")
+    parser.add_argument("--photos", choices=("default", "large"), default="default",
+                        help="zoo models: 'large' calibrates on scenes and evaluates on 100 photos of objects "
+                             "(ai-benchmark 0.1.2 wheel, fetched once)")
     parser.add_argument("--no-fix", action="store_true", help="leave out the fix() variants")
     parser.add_argument("--latency", action="store_true",
                         help="also fix(optimize_for='latency') of each config (measured placement)")
@@ -830,7 +843,7 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
             progress=_progress_printer() if sys.stderr.isatty() else None,
             include_latency=args.latency, include_quantize=args.quantize, min_seconds=args.min_seconds,
             retries=args.retries, peers=tuple(p for p in args.peers.split(",") if p.strip()),
-            also_threads=tuple(threads[1:]),
+            also_threads=tuple(threads[1:]), photos=args.photos,
         )
     except (KenosisError, OSError) as error:
         print(f"kenosis-rewrite bench: error: {error}", file=sys.stderr)

