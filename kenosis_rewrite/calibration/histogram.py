@@ -12,13 +12,14 @@ Range rules (all return ``(lo, hi)``):
 * ``minmax``: the exact observed min and max.
 * ``percentile``: clips ``(100 - p) / 2`` percent of the mass on each side (ORT's asymmetric rule).
 * ``entropy``: the clipping window ``[lo, hi]`` that minimises KL(P || Q) between the clipped
-  histogram P (outliers folded into the edge bins) and its quantization Q onto ``levels`` levels
+  histogram P of the non-zero values (exact zeros, which the zero point represents without error,
+  are left out; outliers folded into the edge bins) and its quantization Q onto ``levels`` levels
   (TensorRT's method, generalised to an asymmetric window). Candidates are ``lo = s*L`` and
   ``hi = t*H`` (``L = min(min, 0)``, ``H = max(max, 0)``, s and t geometric in [1/64, 1]), searched
   by coordinate descent (upper, lower, upper, lower).
 * ``mse``: the window that minimises the expected squared error of uniform quantization onto
   ``levels`` levels: rounding noise ``step**2 / 12`` inside plus clipping error outside, over all
-  candidate (lo, hi) pairs.
+  candidate (lo, hi) pairs (exact zeros left out: they have no rounding noise).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class StreamingHistogram:
         self.bins = bins
         self.keep_histogram = keep_histogram
         self.count = 0
+        self.zeros = 0  # exact zeros (ReLU outputs): quantized without error, whatever the range
         self.minimum = np.inf
         self.maximum = -np.inf
         self.lo = 0.0
@@ -65,6 +67,7 @@ class StreamingHistogram:
                 return
             low, high = float(values.min()), float(values.max())
         self.count += values.size
+        self.zeros += int(np.count_nonzero(values == 0))
         self.minimum, self.maximum = min(self.minimum, low), max(self.maximum, high)
         if self.keep_histogram:
             self._cover(low, high)
@@ -92,15 +95,20 @@ class StreamingHistogram:
         np.clip(index, 0, self.bins - 1, out=index)
         self.counts += np.bincount(index, minlength=self.bins)
 
-    def trimmed(self) -> tuple[np.ndarray, np.ndarray]:
-        """(counts, edges) of the occupied part of the histogram."""
-        nonzero = np.flatnonzero(self.counts)
+    def trimmed(self, exclude_zeros: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(counts, edges) of the occupied part of the histogram; ``exclude_zeros`` leaves out the
+        exact zeros (from the bin that holds 0.0)."""
+        counts = self.counts
+        if exclude_zeros and self.zeros and self.width > 0 and self.lo <= 0.0 < self.hi:
+            counts = counts.copy()
+            counts[int((0.0 - self.lo) / self.width)] -= self.zeros
+        nonzero = np.flatnonzero(counts)
         if nonzero.size == 0:
             return np.zeros(1, np.int64), np.array([self.minimum, self.maximum], np.float64)
         first, last = nonzero[0], nonzero[-1] + 1
         edges = self.lo + self.width * np.arange(first, last + 1, dtype=np.float64)
         edges[0], edges[-1] = max(edges[0], self.minimum), min(edges[-1], self.maximum)
-        return self.counts[first:last], edges
+        return counts[first:last], edges
 
 
 def _percentile_range(counts: np.ndarray, edges: np.ndarray, percentile: float) -> tuple[float, float]:
@@ -192,7 +200,10 @@ def range_from_histogram(
         return float(histogram.minimum), float(histogram.maximum)
     if not histogram.keep_histogram:
         raise ValueError(f"method {method!r} needs a histogram; this collector kept min/max only")
-    counts, edges = histogram.trimmed()
+    # Exact zeros (the spike a ReLU leaves) are represented exactly by the zero point: they must not
+    # weigh in the error a window is chosen by. Left in, KL sees a spike smeared over a whole
+    # quantization level and clips ReLU6 outputs to 1/7 of their range (MobileNetV2: cosine 0.47).
+    counts, edges = histogram.trimmed(exclude_zeros=method in ("entropy", "mse"))
     if method == "percentile":
         lo, hi = _percentile_range(counts, edges, percentile)
     elif method == "mse":
