@@ -57,7 +57,16 @@ def _where(node: ir.Node) -> str:
     return node.name or node.outputs[0].name
 
 
-def _float_counterpart(node: ir.Node, source: str, float_readers: Mapping[str, list[onnx.NodeProto]]) -> onnx.NodeProto | None:
+def first_input_readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    """FP32 nodes by the tensor they read as first input."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        if node.input:
+            readers.setdefault(node.input[0], []).append(node)
+    return readers
+
+
+def float_counterpart(node: ir.Node, source: str, float_readers: Mapping[str, list[onnx.NodeProto]]) -> onnx.NodeProto | None:
     """The FP32 node ``node`` was quantized from: same op reading ``source``; its own name decides
     between several (fix() may have renamed the output, e.g. to the activation it absorbed)."""
     candidates = [n for n in float_readers.get(source, ()) if n.op_type == node.op_type and n.input[0] == source]
@@ -101,7 +110,7 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     if len(bias_dq.inputs[0].uses()) != 1 or len(bias_dq.outputs[0].uses()) != 1:
         return "bias is shared with another layer"
     source = quantize.inputs[0].name
-    original = _float_counterpart(node, source, float_readers)
+    original = float_counterpart(node, source, float_readers)
     if original is None:
         return f"no FP32 {node.op_type} reading {source!r} to compare with"
     if not _same_weights(weight_dq, original, float_weights):
@@ -188,10 +197,7 @@ def correct_biases(
     """Correct, in place, the int32 bias of every quantized Conv/Gemm of ``model`` (see the module
     docstring) against ``float_model`` on ``feeds``. Returns the number of layers corrected."""
     float_weights = {init.name: init for init in float_model.graph.initializer}
-    float_readers: dict[str, list[onnx.NodeProto]] = {}
-    for float_node in float_model.graph.node:
-        if float_node.input:
-            float_readers.setdefault(float_node.input[0], []).append(float_node)
+    float_readers = first_input_readers(float_model)
     layers = []
     for node in model.graph:
         if node.op_type not in _CORRECTED_OPS or node.domain not in _qdq.DEFAULT_DOMAINS:

@@ -28,6 +28,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from kenosis_rewrite import _io, _qdq, fidelity
+from kenosis_rewrite.bias_correction import first_input_readers, float_counterpart
 from kenosis_rewrite.passes.dequantize import dequantize_constants, remove_qdq_pair
 from kenosis_rewrite.report import FixReport
 
@@ -88,29 +89,37 @@ def _run_all(proto: onnx.ModelProto, names: list[str], feeds) -> dict[str, list[
 
 
 def analyze(float_model: _io.ModelLike, quantized: _io.ModelLike, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[LayerSensitivity]:
-    """Sensitivity of every heavy op of ``quantized`` (see the module docstring)."""
+    """Sensitivity of every heavy op of ``quantized`` (see the module docstring).
+
+    Each layer is compared with its FP32 counterpart (the same op reading the same FP32 tensor), not
+    with the FP32 tensor of the same name: fix() may give a layer's output the name of an
+    activation it folded into the quantizer, and that FP32 tensor is clamped where the layer's is not.
+    The input compared is what the layer reads (the dequantized tensor) against its FP32 source.
+    """
     float_proto = _io.to_output(_io.LoadedModel(_io.load(float_model, require_qdq=False).model, "proto"))
     loaded = _io.load(quantized, require_qdq=False).model
-    float_values = {v for node in float_proto.graph.node for v in node.output}
+    float_values = {v for node in float_proto.graph.node for v in node.output} | {i.name for i in float_proto.graph.input}
     float_weights = {init.name: init for init in float_proto.graph.initializer}
-    float_nodes = {node.name: node for node in float_proto.graph.node if node.name}
-    layers, names = [], set()
+    readers = first_input_readers(float_proto)
+    layers, float_names, quantized_names = [], set(), set()
     for node in loaded.graph:
-        if node.op_type not in _qdq.WEIGHTED_OPS:
+        if node.op_type not in _qdq.WEIGHTED_OPS or node.inputs[0] is None:
             continue
-        out_name, in_name = node.outputs[0].name, _source_name(node.inputs[0])
-        if out_name in float_values:
-            layers.append((node, in_name, out_name))
-            names.update(n for n in (in_name, out_name) if n in float_values)
-    names = sorted(names)
-    reference = _run_all(float_proto, names, feeds)
-    quantized_values = _run_all(ir.serde.serialize_model(loaded), names, feeds)
+        source = _source_name(node.inputs[0])
+        original = float_counterpart(node, source, readers) if source in float_values else None
+        if original is None:
+            continue
+        layers.append((node, original, source))
+        float_names.update((source, original.output[0]))
+        quantized_names.update((node.inputs[0].name, node.outputs[0].name))
+    reference = _run_all(float_proto, sorted(float_names), feeds)
+    quantized_values = _run_all(ir.serde.serialize_model(loaded), sorted(quantized_names), feeds)
     results = []
-    for node, in_name, out_name in layers:
-        out_sqnr = _series_sqnr(reference.get(out_name), quantized_values.get(out_name))
-        in_sqnr = _series_sqnr(reference.get(in_name), quantized_values.get(in_name)) if in_name else float("inf")
+    for node, original, source in layers:
+        out_sqnr = _series_sqnr(reference.get(original.output[0]), quantized_values.get(node.outputs[0].name))
+        in_sqnr = _series_sqnr(reference.get(source), quantized_values.get(node.inputs[0].name))
         results.append(LayerSensitivity(
-            node.name or out_name, node.op_type, _weight_snr(node, float_nodes, float_weights),
+            node.name or node.outputs[0].name, node.op_type, _weight_snr(node, original, float_weights),
             out_sqnr, _local_db(in_sqnr, out_sqnr),
         ))
     return results
@@ -127,10 +136,9 @@ def _local_db(in_db: float, out_db: float) -> float:
     return float("inf") if noise <= 0 else float(-10 * np.log10(noise))
 
 
-def _weight_snr(node: ir.Node, float_nodes: dict, float_weights: dict) -> float:
-    original = float_nodes.get(node.name)
+def _weight_snr(node: ir.Node, original: onnx.NodeProto, float_weights: dict) -> float:
     dq = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    if original is None or len(original.input) < 2 or original.input[1] not in float_weights or not _qdq.is_dequantize(dq):
+    if len(original.input) < 2 or original.input[1] not in float_weights or not _qdq.is_dequantize(dq):
         return float("inf")
     params, data = _qdq.quant_params(dq), _qdq.const_array(dq.inputs[0])
     if params is None or data is None or params.block_size:

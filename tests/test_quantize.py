@@ -75,6 +75,8 @@ def test_sensitivity_analysis_reports_every_layer_and_threshold_keeps_the_weak_o
     convs = [n.name for n in qdq.graph.node if n.op_type == "Conv"]
     assert {layer.name for layer in analysis} >= set(convs)
     assert all(20 < layer.weight_snr_db < 60 for layer in analysis if layer.name in convs)
+    # the threshold comes from quantize()'s own model (its calibration and bias correction differ)
+    analysis = sensitivity.analyze(float_model, quantize(float_model, feeds), feeds)
     threshold = sorted(layer.score_db for layer in analysis)[2]  # the two weakest layers
     quantized, report = quantize(float_model, feeds, snr_threshold_db=threshold, return_report=True)
     kept = [c.where for c in report.changes if c.rule == "keep-fp32-sensitive-layer"]
@@ -184,3 +186,17 @@ def test_self_calibration_never_pins_the_input_dims():
     for height, width in ((16, 24), (40, 32)):
         feed = {"x": rng.normal(0, 1, (1, toy_models.C, height, width)).astype(np.float32)}
         assert fidelity.run(quantized, [feed])[0][0].shape == (1, 2, height, width)
+
+
+def test_sensitivity_compares_a_layer_with_its_fp32_counterpart_not_a_renamed_tensor():
+    """fix() folds ReLU6 into the output quantizer and the Conv's output takes the Clip's name; that
+    FP32 tensor is clamped at 6 where the Conv's is not. Compared by name, a clean layer scored
+    below 0 dB (EfficientNet-Lite0's conv_head: -15.7 dB) and the fallback kept the wrong layers."""
+    float_model = toy_models.build("conv_clip")
+    feeds = [{k: 8 * v for k, v in f.items()} for f in toy_models.random_feeds(float_model, 4)]  # often above 6
+    quantized = quantize(float_model, feeds, bias_correction=False)
+    conv = next(n for n in quantized.graph.node if n.op_type == "Conv")
+    float_names = {o for n in float_model.graph.node for o in n.output}
+    assert conv.output[0] in float_names and _testing.producer_of(float_model, conv.output[0]).op_type == "Clip"
+    analysis = {layer.name: layer for layer in sensitivity.analyze(float_model, quantized, feeds)}
+    assert analysis[conv.name].output_sqnr_db > 20 and analysis[conv.name].local_sqnr_db > 20
