@@ -210,7 +210,13 @@ def correct_biases(
             layers.append(found)
     if not layers or not feeds:
         return 0
-    for layer, samples in zip(layers, _shifts(float_model, layers, feeds)):
+    try:
+        measured = _shifts(float_model, layers, feeds)
+    except Exception as error:  # noqa: BLE001 - ORT raises many types; the model stays as quantized
+        if report is not None:
+            report.note(f"bias correction skipped: ONNX Runtime could not run the measuring model ({error})")
+        return 0
+    for layer, samples in zip(layers, measured):
         shift = _significant_mean(samples)
         bias = layer.bias.const_value.numpy().astype(np.int64)
         steps = np.rint(shift / layer.bias_scale).astype(np.int64)

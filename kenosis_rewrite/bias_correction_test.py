@@ -176,3 +176,12 @@ def test_scales_per_channel_and_per_tensor_are_read_from_the_bias_dequantize():
         expected = _qdq.quant_params(conv.inputs[2].producer()).scale.reshape(-1)
         assert np.array_equal(layer.bias_scale, expected.astype(np.float64))
         assert layer.bias_scale.size == (CHANNELS if per_channel else 1)
+
+
+def test_a_measurement_that_cannot_run_leaves_the_model_as_quantized_and_says_why():
+    float_model, feeds = _depthwise(), _feeds(2, seed=0)
+    quantized = quantize(float_model, feeds, bias_correction=False)
+    wrong_feeds = [{"x": np.zeros((1, CHANNELS + 1, 12, 12), np.float32)}]  # ORT refuses the shape
+    after, report = _corrected(float_model, quantized, wrong_feeds)
+    assert _nodes_and_initializers(after) == _nodes_and_initializers(quantized)
+    assert not report.changes and any(n.startswith("bias correction skipped: ONNX Runtime") for n in report.notes)
