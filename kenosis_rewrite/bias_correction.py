@@ -50,7 +50,7 @@ class _Layer:
     source: str  # its FP32 input tensor
     reference: str  # the FP32 layer's output
     bias: ir.Value  # the int32 constant behind the bias DequantizeLinear
-    bias_scale: np.ndarray
+    bias_scale: np.ndarray | None  # None: a float bias (NNCF keeps its biases in float)
 
 
 def _where(node: ir.Node) -> str:
@@ -97,18 +97,26 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     if len(node.inputs) < 3 or node.inputs[2] is None:
         return "no bias to correct"
     input_dq, weight_dq, bias_dq = (value.producer() for value in node.inputs[:3])
+    bias_value = node.inputs[2]
     quantize = input_dq.inputs[0].producer() if _qdq.is_dequantize(input_dq) else None
     if not _qdq.is_quantize(quantize) or _qdq.quant_params(quantize) is None or _qdq.quant_params(input_dq) is None:
         return "input is not Q -> DQ with constant parameters"
     if not _qdq.is_dequantize(weight_dq) or _qdq.const_array(weight_dq.inputs[0]) is None or _qdq.quant_params(weight_dq) is None:
         return "weights are not DequantizeLinear of a constant"
-    bias_params = _qdq.quant_params(bias_dq) if _qdq.is_dequantize(bias_dq) else None
-    if bias_params is None or bias_params.dtype != ir.DataType.INT32 or _qdq.const_array(bias_dq.inputs[0]) is None:
-        return "bias is not DequantizeLinear of an int32 constant"
-    if np.any(bias_params.zero_point != 0):
-        return "bias zero point is not 0"
-    if len(bias_dq.inputs[0].uses()) != 1 or len(bias_dq.outputs[0].uses()) != 1:
-        return "bias is shared with another layer"
+    float_bias = bias_dq is None and bias_value.const_value is not None and bias_value.const_value.dtype == ir.DataType.FLOAT
+    if float_bias:
+        if len(bias_value.uses()) != 1 or bias_value.is_graph_output():
+            return "bias is shared with another layer"
+        bias, bias_scale = bias_value, None
+    else:
+        bias_params = _qdq.quant_params(bias_dq) if _qdq.is_dequantize(bias_dq) else None
+        if bias_params is None or bias_params.dtype != ir.DataType.INT32 or _qdq.const_array(bias_dq.inputs[0]) is None:
+            return "bias is neither DequantizeLinear of an int32 constant nor a float32 constant"
+        if np.any(bias_params.zero_point != 0):
+            return "bias zero point is not 0"
+        if len(bias_dq.inputs[0].uses()) != 1 or len(bias_dq.outputs[0].uses()) != 1:
+            return "bias is shared with another layer"
+        bias, bias_scale = bias_dq.inputs[0], bias_params.scale.astype(np.float64).reshape(-1)
     source = quantize.inputs[0].name
     original = float_counterpart(node, source, float_readers)
     if original is None:
@@ -116,7 +124,7 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     if not _same_weights(weight_dq, original, float_weights):
         return (f"the FP32 {node.op_type} {original.name or original.output[0]!r} has other weights than the "
                 "quantized one beyond rounding (folded BatchNormalization or scale?): not comparable")
-    return _Layer(node, source, original.output[0], bias_dq.inputs[0], bias_params.scale.astype(np.float64).reshape(-1))
+    return _Layer(node, source, original.output[0], bias, bias_scale)
 
 
 def _initializer(graph: ir.Graph, names: _qdq.NameAllocator, value: ir.Value | None) -> ir.Value | None:
@@ -152,7 +160,8 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.Model
 
         x = copy(input_dq, copy(quantize, values[layer.source]))
         weights = copy(weight_dq, _initializer(graph, names, weight_dq.inputs[0]))
-        bias = copy(bias_dq, _initializer(graph, names, bias_dq.inputs[0]))
+        bias = (_initializer(graph, names, node.inputs[2]) if layer.bias_scale is None
+                else copy(bias_dq, _initializer(graph, names, bias_dq.inputs[0])))
         quantized = _copied(node, [x, weights, bias])
         difference = ir.node("Sub", [quantized.outputs[0], values[layer.reference]])
         graph.extend([quantized, difference])
@@ -218,12 +227,16 @@ def correct_biases(
         return 0
     for layer, samples in zip(layers, measured):
         shift = _significant_mean(samples)
-        bias = layer.bias.const_value.numpy().astype(np.int64)
-        steps = np.rint(shift / layer.bias_scale).astype(np.int64)
-        corrected = np.clip(bias - steps.reshape(bias.shape), *_INT32_RANGE).astype(np.int32)
+        bias = layer.bias.const_value.numpy()
+        if layer.bias_scale is None:
+            steps = shift
+            corrected = (bias.astype(np.float64) - shift.reshape(bias.shape)).astype(np.float32)
+        else:
+            steps = np.rint(shift / layer.bias_scale).astype(np.int64)
+            corrected = np.clip(bias.astype(np.int64) - steps.reshape(bias.shape), *_INT32_RANGE).astype(np.int32)
         layer.bias.const_value = ir.tensor(corrected, name=layer.bias.name)
         if report is not None:
             worst = float(np.max(np.abs(shift)))
             report.changed(RULE_NAME, _where(layer.node), f"mean output shift up to {worst:.3g} moved into the "
-                           f"int32 bias ({int(np.count_nonzero(steps))} of {steps.size} channels)", exact=False)
+                           f"{'float' if layer.bias_scale is None else 'int32'} bias ({int(np.count_nonzero(steps))} of {steps.size} channels)", exact=False)
     return len(layers)

@@ -272,12 +272,16 @@ def fix_with_report(
     latency_budget_s: float = 60.0,
     threads: int = 1,
     verify: bool = True,
+    bias_correction: bool = False,
 ) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
     """:func:`fix`, returning ``(fixed_model, FixReport)``."""
     _check_target(target)
     if optimize_for not in OPTIMIZE_FOR:
         raise KenosisError(f"optimize_for must be one of {OPTIMIZE_FOR}, got {optimize_for!r}")
     calibration = list(calibration) if calibration is not None else None
+    if bias_correction and (float_model is None or not calibration):
+        raise KenosisError("bias_correction=True needs float_model= (the FP32 original) and calibration= feeds: "
+                           "the correction is the mean difference between the two on that data")
     first = _io.load(model)
     before = _io.in_memory_proto(first.model)
     float_proto = None
@@ -293,6 +297,11 @@ def fix_with_report(
         report.note(note)
     if optimize_for == "latency":
         _latency_placement(loaded.model, report, calibration, latency_budget_s, threads)
+        after = _io.in_memory_proto(loaded.model)
+    if bias_correction:
+        from kenosis_rewrite.bias_correction import correct_biases  # noqa: PLC0415
+
+        report.note(f"bias correction: {correct_biases(float_proto, loaded.model, calibration, report)} layers")
         after = _io.in_memory_proto(loaded.model)
     if before is not None and after is not None:
         _validate(before, after, report)
@@ -317,6 +326,7 @@ def fix(
     latency_budget_s: float = 60.0,
     threads: int = 1,
     verify: bool = True,
+    bias_correction: bool = False,
 ):
     """Rewrite a QDQ model so that ONNX Runtime runs more of it in fused integer kernels.
 
@@ -339,6 +349,9 @@ def fix(
             the input bit for bit where every change claims exactness, and lose at most 0.005
             cosine against the reference (FP32 when given, else the input without its roundings)
             on ``calibration`` or random feeds; rules that break this are undone and reported.
+        bias_correction: with ``float_model`` and ``calibration``, also move each quantized
+            Conv/Gemm's mean output shift against the FP32 model into its int32 bias
+            (:mod:`kenosis_rewrite.bias_correction`; not exact: outputs move toward FP32).
 
     Returns:
         The fixed model, of the kind given: an ``onnx_ir.Model`` for an ``onnx_ir.Model``,
@@ -351,5 +364,6 @@ def fix(
     fixed, report = fix_with_report(
         model, target=target, float_model=float_model, calibration=calibration,
         optimize_for=optimize_for, latency_budget_s=latency_budget_s, threads=threads, verify=verify,
+        bias_correction=bias_correction,
     )
     return (fixed, report) if return_report else fixed

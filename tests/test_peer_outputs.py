@@ -10,6 +10,7 @@ import onnx
 import pytest
 
 from kenosis_rewrite import _testing, explain, fidelity, fix
+from kenosis_rewrite.errors import KenosisError
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 PEER_OUTPUTS = sorted(p.name for p in FIXTURES.glob("*.onnx") if not p.name.endswith(("_fp32.onnx", "_fp16.onnx")))
@@ -97,3 +98,24 @@ def test_modelopt_fp16_outputs_are_accepted_and_still_run_with_their_fidelity(na
     onnx.checker.check_model(fixed, full_check=True)
     scores = fidelity.compare_to_float(float_model, {"peer": peer, "fixed": fixed}, _feeds(2))
     assert scores["fixed"]["cosine"] >= scores["peer"]["cosine"] - 0.002
+
+
+@pytest.mark.parametrize("toy", ["mbv2ish", "c2fish"])
+def test_fix_corrects_nncf_float_biases_against_the_fp32_model_on_request(toy):
+    """NNCF keeps biases in float: fix(bias_correction=True) subtracts each layer's measured mean shift
+    from them (opt-in; needs the FP32 model and calibration feeds)."""
+    quantized = onnx.load(FIXTURES / f"{toy}_nncf3.4.onnx")
+    float_model = onnx.load(FIXTURES / f"{toy}_fp32.onnx")
+    calibration, held_out = _feeds(11, 8), _feeds(12, 8)
+    plain = fix(quantized, float_model=float_model, calibration=calibration)
+    corrected, report = fix(quantized, float_model=float_model, calibration=calibration,
+                                            bias_correction=True, return_report=True)
+    changes = [c for c in report.changes if c.rule == "bias-correction"]
+    assert changes and all("float bias" in c.detail for c in changes)
+    onnx.checker.check_model(corrected, full_check=True)
+    plain_nodes = [(n.op_type, list(n.input)) for n in plain.graph.node]
+    assert [(n.op_type, list(n.input)) for n in corrected.graph.node] == plain_nodes  # only bias values move
+    scores = fidelity.compare_to_float(float_model, {"plain": plain, "corrected": corrected}, held_out)
+    assert scores["corrected"]["cosine"] >= scores["plain"]["cosine"] - 1e-4
+    with pytest.raises(KenosisError, match="bias_correction=True needs float_model="):
+        fix(quantized, bias_correction=True)
