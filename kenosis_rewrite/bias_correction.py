@@ -1,4 +1,4 @@
-"""Bias correction: move each quantized layer's mean output error into its int32 bias.
+"""Bias correction: move each quantized layer's mean output error into its bias.
 
 Quantizing a layer's weights and input shifts the mean of each output channel: rounding errors do
 not average to zero over a channel's receptive field (depthwise convolutions, with few weights per
@@ -16,9 +16,12 @@ input, and ``GlobalAveragePool(quantized - float)`` as an extra output (streamed
 Approximate by nature (not exact): it changes the model's outputs, by design towards FP32 on
 average. The bound it keeps: each channel's bias moves by the measured shift rounded to the bias
 grid, so after correction the mean error of that channel on the calibration feeds is at most half a
-bias step (``bias_scale / 2``), which the tests check. A layer is left alone, with a reason, when
-its input, weights or bias are not the plain Q/DQ of constants this module can copy, or when the
-FP32 graph has no tensor of the same name to compare with.
+bias step (``bias_scale / 2``), which the tests check; a float bias (NNCF keeps them in float) takes
+the shift as it is. A shift within ``SIGNIFICANCE_Z`` standard errors of zero over the feeds is left
+as it is. A layer is left alone, with a reason, when its input, weights or bias are not the plain
+Q/DQ of constants this module can copy, when the FP32 graph has no node of the same op reading the
+same input, or when that node's weights are not the quantized ones within one quantization step (a
+BatchNormalization folded since, for instance).
 """
 
 from __future__ import annotations
@@ -44,12 +47,12 @@ SIGNIFICANCE_Z = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
-    """A quantized Conv/Gemm whose FP32 counterpart (same input and output names) exists."""
+    """A quantized Conv/Gemm and its FP32 counterpart (same op reading the same FP32 tensor)."""
 
     node: ir.Node
     source: str  # its FP32 input tensor
     reference: str  # the FP32 layer's output
-    bias: ir.Value  # the int32 constant behind the bias DequantizeLinear
+    bias: ir.Value  # the int32 constant behind the bias DequantizeLinear, or the float bias itself
     bias_scale: np.ndarray | None  # None: a float bias (NNCF keeps its biases in float)
 
 
@@ -85,8 +88,9 @@ def _same_weights(weight_dq: ir.Node, original: onnx.NodeProto, float_weights: M
     data, params = _qdq.const_array(weight_dq.inputs[0]), _qdq.quant_params(weight_dq)
     if params.block_size or weights.shape != data.shape:
         return False
-    step = np.abs(_qdq.dequantize_array(data.astype(np.int32) + 1, params) - _qdq.dequantize_array(data, params))
-    return bool(np.all(np.abs(weights - _qdq.dequantize_array(data, params)) <= step * 1.01))
+    dequantized = _qdq.dequantize_array(data, params)
+    step = np.abs(_qdq.dequantize_array(data.astype(np.int32) + 1, params) - dequantized)
+    return bool(np.all(np.abs(weights - dequantized) <= step * 1.01))
 
 
 def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
@@ -203,7 +207,7 @@ def correct_biases(
     feeds: Sequence[Mapping[str, np.ndarray]],
     report: FixReport | None = None,
 ) -> int:
-    """Correct, in place, the int32 bias of every quantized Conv/Gemm of ``model`` (see the module
+    """Correct, in place, the bias of every quantized Conv/Gemm of ``model`` (see the module
     docstring) against ``float_model`` on ``feeds``. Returns the number of layers corrected."""
     float_weights = {init.name: init for init in float_model.graph.initializer}
     float_readers = first_input_readers(float_model)

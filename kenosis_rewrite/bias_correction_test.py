@@ -10,7 +10,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite import _qdq, _testing, fidelity, ort_quantize, toy_models
-from kenosis_rewrite.bias_correction import RULE_NAME, SIGNIFICANCE_Z, _layer, _shifts, correct_biases
+from kenosis_rewrite.bias_correction import (
+    RULE_NAME, SIGNIFICANCE_Z, _layer, _shifts, correct_biases, first_input_readers,
+)
 from kenosis_rewrite.quantize import quantize
 from kenosis_rewrite.report import FixReport
 
@@ -111,9 +113,7 @@ def test_every_corrected_layer_is_left_within_half_a_bias_step(name, per_channel
     # re-measure on the corrected model: what is left is the bias grid's rounding, or a shift
     # that was not significant over the feeds (left alone by design)
     model = ir.serde.deserialize_model(before)
-    readers: dict[str, list] = {}
-    for node in float_model.graph.node:
-        readers.setdefault(node.input[0], []).append(node)
+    readers = first_input_readers(float_model)
     weights = {init.name: init for init in float_model.graph.initializer}
     layers = [_layer(node, readers, weights) for node in model.graph if node.op_type in ("Conv", "Gemm")]
     assert all(not isinstance(layer, str) for layer in layers)
