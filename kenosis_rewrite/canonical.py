@@ -12,7 +12,9 @@
    Identity/Transpose-pair and other no-op removal.
 3. **Our FP32 rules**: decomposed HardSwish/HardSigmoid fused (onnxscript's rules), Transposes sunk
    past elementwise ops so NHWC Transpose pairs cancel (:mod:`rules.transpose_sinking`), per-channel
-   affine arithmetic folded into Conv/Gemm weights and bias (:mod:`rules.channel_affine`).
+   affine arithmetic folded into Conv/Gemm weights and bias (:mod:`rules.channel_affine`), residual
+   Adds read by a layer norm written as Sum, so ORT does not fuse them into its slow
+   SkipLayerNormalization (:mod:`rules.residual_sum`).
    Then onnxruntime's basic-level optimizer (standard ops only): its transpose optimizer cancels
    the NHWC Transposes around residual Adds, which local rules cannot (the Add's inputs fan out).
 4. **Declared output shapes** (``repair-declared-output-shapes``): a graph output declared with a
@@ -47,6 +49,7 @@ from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.channel_affine import channel_affine_rules
+from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.shape_slices import shape_slice_rules
 from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
 
@@ -157,6 +160,7 @@ def _apply_rules(model: ir.Model, report: FixReport) -> None:
         "sink-transposes": transpose_sinking_rules(),
         "cancel-transposes": RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule]),
         "fold-channel-affine": channel_affine_rules(),
+        "residual-add-as-sum": residual_sum_rules(),
     }
     if model.opset_imports.get("", 0) >= _HARDSWISH_OPSET:
         families = {"fuse-hardswish": fuse_hardswish_rules(), **families}
@@ -211,6 +215,35 @@ def _max_relative_error(reference: list[list[np.ndarray]], outputs: list[list[np
     return worst
 
 
+def _rename_introduced_values(optimized: onnx.ModelProto, before: onnx.ModelProto) -> None:
+    """Give the tensors ORT's optimizer introduced names it will not generate again.
+
+    ORT names the tensors of its rewrites after the rewrite (MatMulAddFusion: ``gemm_input_shape``);
+    when it loads the saved model and fuses a second site, it adds an initializer of the same name
+    and refuses the model ("Attempt to replace the existing tensor", onnxruntime 1.32, seen on
+    MiniLM with pinned shapes)."""
+    graph = before.graph
+    known = {value.name for value in [*graph.input, *graph.output, *graph.initializer, *graph.value_info]}
+    known.update(name for node in graph.node for name in [*node.input, *node.output])
+    renamed: dict[str, str] = {}
+
+    def fresh(name: str) -> str:
+        if not name or name in known:
+            return name
+        if name not in renamed:
+            renamed[name] = f"{name}__kenosis_prepared"
+        return renamed[name]
+
+    new_graph = optimized.graph
+    for tensor in new_graph.initializer:
+        tensor.name = fresh(tensor.name)
+    for info in new_graph.value_info:
+        info.name = fresh(info.name)
+    for node in new_graph.node:
+        node.input[:] = [fresh(name) for name in node.input]
+        node.output[:] = [fresh(name) for name in node.output]
+
+
 def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
     """onnxruntime's basic (level 1, standard ops only) optimizer: its transpose optimizer cancels the
     NHWC Transposes that fan out (residual blocks), which local sinking cannot. Kept when it loads."""
@@ -225,7 +258,9 @@ def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
         options.log_severity_level = 3
         try:
             ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-            optimized = ir.serde.deserialize_model(onnx.load(options.optimized_model_filepath))
+            optimized_proto = onnx.load(options.optimized_model_filepath)
+            _rename_introduced_values(optimized_proto, proto)
+            optimized = ir.serde.deserialize_model(optimized_proto)
         except Exception as error:  # noqa: BLE001 - ORT's refusal leaves our canonical graph as is
             report.note(f"prepare: onnxruntime's basic optimizer skipped ({type(error).__name__}: {error})")
             return model
@@ -335,6 +370,9 @@ def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixRepor
     tolerance = max(PREPARE_TOLERANCE, NOISE_FACTOR * runtime_noise)
     try:
         outputs = fidelity.run(candidate, feeds, optimized=False)
+        # and it must load with every optimization on, as users run it (ORT's own fusions can fail on
+        # a graph they or we rewrote: that model would not run at all)
+        fidelity.run(candidate, feeds[:1], optimized=True)
         _declared_output_repairs(work, outputs[0], report)
         onnx.checker.check_model(ir.serde.serialize_model(work), full_check=True)
         error = _max_relative_error(reference, outputs)

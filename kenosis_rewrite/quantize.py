@@ -8,7 +8,9 @@
    target: on x86 ORT CPU uint8 activations (asymmetric, zero points represent 0.0 exactly),
    int8 symmetric weights, per-channel by default, int32 biases; symmetric int8 for TensorRT/NPU.
    Ranges come from :func:`kenosis_rewrite.calibration.collect_ranges` (min/max, percentile,
-   entropy or MSE).
+   entropy or MSE). Which ops it quantizes is the plan (:mod:`kenosis_rewrite.plan`): every op
+   for CNNs, only the weighted ops' inputs for transformers (LayerNorm, Softmax, GELU, attention
+   MatMuls and the MatMuls' outputs stay float, as ORT runs them best).
 4. :func:`kenosis_rewrite.fix` for the target.
 5. Model-output protection (outputs leave in float), on by default.
 6. Bias correction: each Conv/Gemm's mean output shift on the calibration feeds moves into its
@@ -41,6 +43,7 @@ from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
 from kenosis_rewrite.canonical import prepare as prepare_model
+from kenosis_rewrite.plan import choose_plan, plan_options
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.targets import get_target
 
@@ -189,6 +192,7 @@ def quantize(
     seed: int = 0,
     canonicalize: bool = True,
     bias_correction: bool = True,
+    plan: str = "auto",
     return_report: bool = False,
 ):
     """Quantize an FP32 model for ``target`` and return a fixed, protected QDQ model.
@@ -214,6 +218,9 @@ def quantize(
         bias_correction: move each Conv/Gemm's mean output shift into its int32 bias
             (:mod:`kenosis_rewrite.bias_correction`; on by default: measured better on the zoo,
             with real calibration photos and with self-calibration alike).
+        plan: which ops to quantize (:mod:`kenosis_rewrite.plan`): ``"full"`` (every op, CNNs),
+            ``"weighted"`` (only Conv/MatMul/Gemm inputs, MatMul outputs float: transformers), or
+            ``"auto"`` (``"weighted"`` where the graph has attention).
 
     Returns:
         The model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
@@ -234,6 +241,7 @@ def quantize(
     # Constant nodes become initializers: quantize_static then treats them as weights (int8,
     # per-channel, quantized once), not as activations re-quantized at every run.
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
+    common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
     proto = ir.serde.serialize_model(prepared)
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
     auto = per_channel == "auto"
@@ -242,10 +250,16 @@ def quantize(
         overrides = per_channel_overrides(proto)
         options["extra_options"]["TensorQuantOverrides"] = overrides
         report.note(f"per-channel weights where they gain >= {AUTO_PER_CHANNEL_GAIN_DB:g} dB SNR: {len(overrides)} tensors")
+    chosen_plan, why = choose_plan(proto, plan)
+    report.note(f"plan: {chosen_plan} ({why})")
+    planned = plan_options(proto, chosen_plan)
+    options["extra_options"].update(planned.pop("extra_options", {}))
+    planned_exclusions = planned.pop("nodes_to_exclude", [])
+    options.update(planned)
     metadata = _metadata_inputs(proto) if protect_metadata_inputs else set()
     excluded = protected_nodes(proto, metadata)
-    if excluded:
-        options["nodes_to_exclude"] = excluded
+    if excluded or planned_exclusions:
+        options["nodes_to_exclude"] = list(dict.fromkeys([*excluded, *planned_exclusions]))
         for name in excluded:
             report.changed(METADATA_RULE, name, "reads a tensor computed from metadata inputs, tensor shapes or "
                            "only constants: not quantized", exact=True)

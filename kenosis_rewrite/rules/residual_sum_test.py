@@ -1,0 +1,151 @@
+"""Tests of the residual Add -> Sum rule (no SkipLayerNormalization fusion on ORT CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from kenosis_rewrite import _testing
+from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules.residual_sum import MATMUL_BIAS_RULE_NAME, RULE_NAME, ResidualAddAsSum, residual_sum_rules
+
+# bias Add then residual Add then LayerNormalization: what ORT fuses into SkipLayerNormalization
+BLOCK = """
+<ir_version: 8, opset_import: ["" : {opset}]>
+g (float[1,6,8] x, float[1,6,8] r) => (float[1,6,8] y)
+<float[8] bias = {{0.1, -0.2, 0.3, 0.0, 0.5, -0.6, 0.7, 0.05}}, float[8] gamma = {{1, 2, 1, 0.5, 1, 1, 3, 1}},
+ float[8] beta = {{0, 0.1, 0, 0, -0.1, 0, 0, 0.2}}>
+{{
+  xb = Add(x, bias)
+  s = Add(xb, r)
+  y = LayerNormalization(s, gamma, beta)
+}}
+"""
+
+# the decomposed form an exporter writes (ORT's LayerNormFusion makes it one op at session time)
+DECOMPOSED = """
+<ir_version: 8, opset_import: ["" : 18]>
+g (float[1,6,8] x, float[1,6,8] r) => (float[1,6,8] y, float[1,6,8] s)
+<float eps = {0.00001}, float two = {2.0}, float[8] gamma = {1, 2, 1, 0.5, 1, 1, 3, 1}, int64[1] axes = {-1}>
+{
+  s = Add(x, r)
+  mean = ReduceMean(s, axes)
+  d = Sub(s, mean)
+  d2 = Pow(d, two)
+  var = ReduceMean(d2, axes)
+  ve = Add(var, eps)
+  sd = Sqrt(ve)
+  n = Div(d, sd)
+  y = Mul(n, gamma)
+}
+"""
+
+
+def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport, int]:
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    count = residual_sum_rules(report).apply_to_model(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report, count
+
+
+def _assert_bit_identical(a: onnx.ModelProto, b: onnx.ModelProto, n: int = 4) -> None:
+    """The graphs compute the same function bit for bit (each op as ONNX defines it: no session
+    fusions); with ORT's fusions on, the original runs as SkipLayerNormalization, which rounds its
+    own way, so there the outputs agree to float rounding only."""
+    for seed in range(n):
+        rng = np.random.default_rng(seed)
+        feed = {name: rng.standard_normal((1, 6, 8)).astype(np.float32) * 3 for name in ("x", "r")}
+        for got, want in zip(_testing.outputs(b, feed, optimized=False), _testing.outputs(a, feed, optimized=False)):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(_testing.outputs(b, feed), _testing.outputs(a, feed)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_add_before_layernorm_becomes_sum_and_ort_no_longer_fuses_skip_layernorm():
+    proto = onnx.parser.parse_model(BLOCK.format(opset=17))
+    assert _testing.ort_optimized_op_types(proto)["SkipLayerNormalization"] == 1  # the slow kernel
+    fixed, report, count = _apply(proto)
+    assert count == 1
+    assert [n.op_type for n in fixed.graph.node] == ["Add", "Sum", "LayerNormalization"]
+    assert list(fixed.graph.node[1].input) == ["xb", "r"]  # the bias Add stays an Add
+    assert [c.rule for c in report.changes] == [RULE_NAME] and report.changes[0].exact
+    optimized = _testing.ort_optimized_op_types(fixed)
+    assert "SkipLayerNormalization" not in optimized and optimized["LayerNormalization"] == 1
+    _assert_bit_identical(proto, fixed)
+
+
+def test_decomposed_layernorm_reading_the_sum_is_recognised():
+    proto = onnx.parser.parse_model(DECOMPOSED)
+    fixed, _, count = _apply(proto)
+    assert count == 1
+    assert _testing.op_types(fixed)["Sum"] == 1 and _testing.op_types(fixed)["Add"] == 1  # Add(var, eps) stays
+    assert "SkipLayerNormalization" not in _testing.ort_optimized_op_types(fixed)
+    _assert_bit_identical(proto, fixed)
+
+
+@pytest.mark.parametrize(
+    "source, reason",
+    [
+        # a constant input: a bias Add, which ORT fuses into the MatMul or GELU before it
+        (BLOCK.format(opset=17).replace("s = Add(xb, r)", "s = Add(xb, bias)"), "constant"),
+        # nothing reads the sum as a layer norm
+        (BLOCK.format(opset=17).replace("y = LayerNormalization(s, gamma, beta)", "y = Relu(s)"), "no layer norm"),
+    ],
+)
+def test_left_alone_with_reason(source, reason):
+    proto = onnx.parser.parse_model(source)
+    model = ir.serde.deserialize_model(proto)
+    residual = next(node for node in model.graph if node.op_type == "Add" and node.outputs[0].name == "s")
+    result = ResidualAddAsSum().check(None, *residual.inputs, added=residual.outputs[0])
+    assert not result and reason in result.reason
+    fixed, report, count = _apply(proto)
+    assert count == 0 and not report.changes and _testing.op_types(fixed)["Sum"] == 0
+
+
+def test_integer_add_is_left_alone():
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (int32[4] x, int32[4] r) => (int32[4] y) { y = Add(x, r) }""")
+    _, _, count = _apply(proto)
+    assert count == 0
+
+
+# DQ -> MatMul (no Q after it) -> bias Add, static shapes: ORT's MatMulAddFusion would make it a float Gemm
+INTEGER_MATMUL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,16,32] x) => (float[1,16,8] y)
+<float sx = {0.05}, uint8 zx = {128}, int8[32,8] w = {%s}, float[8] sw = {0.01, 0.02, 0.01, 0.03, 0.01, 0.02, 0.02, 0.01},
+ int8[8] zw = {0, 0, 0, 0, 0, 0, 0, 0}, float[8] bias = {0.1, -0.2, 0.3, 0.0, 0.5, -0.6, 0.7, 0.05}>
+{
+  qx = QuantizeLinear(x, sx, zx)
+  dx = DequantizeLinear(qx, sx, zx)
+  dw = DequantizeLinear(w, sw, zw)
+  m = MatMul(dx, dw)
+  y = Add(m, bias)
+}
+""" % ", ".join(str(v) for v in np.random.default_rng(0).integers(-127, 128, 32 * 8))
+
+
+def test_integer_matmul_bias_becomes_sum_and_the_matmul_stays_integer():
+    proto = onnx.parser.parse_model(INTEGER_MATMUL)
+    before = _testing.ort_optimized_op_types(proto)
+    assert before["Gemm"] == 1 and "MatMulIntegerToFloat" not in before  # the float GEMM it replaces
+    fixed, report, count = _apply(proto)
+    assert count == 1 and [c.rule for c in report.changes] == [MATMUL_BIAS_RULE_NAME]
+    assert _testing.op_types(fixed)["Sum"] == 1 and "Add" not in _testing.op_types(fixed)
+    after = _testing.ort_optimized_op_types(fixed)
+    assert after["MatMulIntegerToFloat"] == 1 and "Gemm" not in after
+    for seed in range(3):
+        feed = {"x": np.random.default_rng(seed).standard_normal((1, 16, 32)).astype(np.float32)}
+        np.testing.assert_array_equal(_testing.outputs(fixed, feed, optimized=False)[0],
+                                      _testing.outputs(proto, feed, optimized=False)[0])
+
+
+def test_bias_add_of_a_float_matmul_is_left_alone():
+    proto = onnx.parser.parse_model(INTEGER_MATMUL.replace("m = MatMul(dx, dw)", "m = MatMul(x, dw)"))
+    _, _, count = _apply(proto)
+    assert count == 0
