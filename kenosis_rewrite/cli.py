@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--calibration", metavar="DIR|synthetic", default=None,
                        help="a folder of images, or 'synthetic' (default: self-calibration)")
     quant.add_argument("--samples", type=int, default=32, help="calibration samples (default 32)")
-    quant.add_argument("--method", default="percentile", choices=["minmax", "percentile", "entropy", "mse"])
+    quant.add_argument("--method", default=None, choices=["minmax", "percentile", "entropy", "mse"],
+                       help="activation ranges (default: percentile for CNNs, minmax for transformers)")
     quant.add_argument("--per-channel", dest="per_channel", action="store_true", default=True,
                        help="per-channel weights (default)")
     quant.add_argument("--per-tensor", dest="per_channel", action="store_false", help="per-tensor weights")
