@@ -91,6 +91,7 @@ R_PER_AXIS_ACTIVATION = "per-axis activation quantization"
 R_WEIGHT_ONLY = "weight-only MatMul not fused to MatMulNBits"
 R_NO_KERNEL = "no QDQ fusion for this op type on ORT CPU"
 R_UNKNOWN = "unknown (ORT did not fuse)"
+R_ACTIVATION_PRODUCT = "product of two activations (attention), float by design"
 RULE_U8 = "activation-int8-to-uint8"
 RULE_STALE_BIAS = "requantize-stale-bias"
 RULE_FOLD = {"Relu": "fold-relu-island", "Clip": "fold-clip-island"}
@@ -633,6 +634,12 @@ def _check_missing(node: ir.Node, x_dq, w_dq, activation, out_q, users) -> list[
     if w_dq is None:
         missing.append(f"weight {_input(node, w_i).name!r} has no DequantizeLinear")
     w_p = _params(w_dq)
+    if (x_dq is None and w_dq is None and node.op_type == "MatMul"
+            and not any(_qdq.constant_or_dequantized(v) is not None for v in node.inputs[:2])):
+        # attention scores/context: quantize()'s weighted plan leaves them float on purpose
+        detail = ("both operands are computed tensors (attention scores or context); quantize() keeps them "
+                  "float: int8 measured slower on ORT CPU (kenosis_rewrite.plan)")
+        return [_Reason(R_ACTIVATION_PRODUCT, None, detail)]
     if x_dq is None and w_p is not None and w_p.dtype not in _qdq.EIGHT_BIT and node.op_type == "MatMul":
         missing = []  # weight-only quantization: a float input is expected
         detail = f"{w_p.describe()} weight with a float input was not fused into MatMulNBits"

@@ -415,3 +415,18 @@ def test_base_name_strips_ort_suffixes():
     assert base_name("relu_5_nchwc") == "relu_5"
     assert base_name("x_DequantizeLinear/duplicated") == "x_DequantizeLinear"
     assert base_name("Conv_40") == "Conv_40"
+
+
+def test_attention_products_are_explained_as_float_by_design():
+    from kenosis_rewrite import quantize, weights
+    from kenosis_rewrite.explain import R_ACTIVATION_PRODUCT
+
+    transformer = weights.toy_transformer(hidden=64, layers=1, heads=4, seq=16)
+    rng = np.random.default_rng(0)
+    quantized = quantize(transformer, [{"x": rng.standard_normal((1, 16, 64)).astype(np.float32)} for _ in range(8)],
+                         calibration_samples=8)
+    report = explain(quantized)
+    floats = {op.name: op for op in report.ops if op.kernel != "integer"}
+    assert sorted(floats) == ["layer0.attn/PV", "layer0.attn/QK"]
+    assert all(op.reason == R_ACTIVATION_PRODUCT and op.fixing_rule is None for op in floats.values())
+    assert len(report.ops) - len(floats) == 6  # the weight MatMuls/Gemms run integer
