@@ -39,6 +39,17 @@ def apply_rules(proto: onnx.ModelProto, *rule_sets) -> tuple[onnx.ModelProto, in
     return out, count
 
 
+def apply_reporting_rules(proto: onnx.ModelProto, make_rules) -> tuple[onnx.ModelProto, FixReport, int]:
+    """Apply the ``RewriteRuleSet`` ``make_rules(report)`` to a copy of ``proto``; the result passes
+    full_check. Returns the result, the report the rules wrote, and the number of rewrites."""
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    count = make_rules(report).apply_to_model(model)
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    return out, report, count
+
+
 def outputs(model: onnx.ModelProto, feed: dict, optimized: bool = True) -> list[np.ndarray]:
     return session(model, optimized).run(None, feed)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 
 from kenosis_rewrite import _testing, ort_quantize, toy_models
@@ -37,12 +36,7 @@ def _island(act="Relu(d1)", s1=0.01, z1=128, s2=0.01, z2=0, lo=0.0, hi=6.0) -> o
 
 
 def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport, int]:
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    count = activation_island_rules(report).apply_to_model(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report, count
+    return _testing.apply_reporting_rules(proto, activation_island_rules)
 
 
 def _feed(scale=1.0, seed=0):

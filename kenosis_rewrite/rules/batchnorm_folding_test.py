@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 
 from kenosis_rewrite import _testing, fidelity, ort_quantize, toy_models
-from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.batchnorm_folding import RULE_NAME, batchnorm_rules
 
 
 def _apply(proto):
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    count = batchnorm_rules(report).apply_to_model(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report, count
+    return _testing.apply_reporting_rules(proto, batchnorm_rules)
 
 
 @pytest.mark.parametrize("config", ["u8s8", "default", "pc", "convmm"])

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import onnx
-import onnx_ir as ir
 
 import kenosis_rewrite
 from kenosis_rewrite import _testing, fidelity, ort_quantize, toy_models
-from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.hardswish import RULE_NAME, hardswish_rules
 
 
 def _apply(proto):
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    count = hardswish_rules(report).apply_to_model(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report, count
+    return _testing.apply_reporting_rules(proto, hardswish_rules)
 
 
 def test_quantized_hardswish_runs_on_qlinear_kernels_within_about_one_step():

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 
 from kenosis_rewrite import _testing, ort_quantize, toy_models
-from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.prelu import prelu_rules
 
 PRELU = """
@@ -19,12 +17,7 @@ g (float[1,3,4,4] x) => (float[1,3,4,4] y)
 
 
 def _apply(proto):
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    count = prelu_rules(report).apply_to_model(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report, count
+    return _testing.apply_reporting_rules(proto, prelu_rules)
 
 
 def _assert_bit_identical(a, b, n=4):

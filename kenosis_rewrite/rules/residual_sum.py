@@ -78,31 +78,45 @@ def _sum_refusal(a: ir.Value, b: ir.Value, added: ir.Value) -> str | None:
     return None
 
 
-class ResidualAddAsSum(RewriteRuleClassBase):
-    """``Add(a, b)`` of two computed tensors read by a layer norm ==> ``Sum(a, b)``. Exact."""
+class _AddAsSum(RewriteRuleClassBase):
+    """``Add(a, b)`` ==> ``Sum(a, b)`` where :meth:`_refusal` finds nothing against it. Exact."""
+
+    rule_name = ""
+    detail = ""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
+        super().__init__(name=self.rule_name)
         self.report = report
 
     def pattern(self, op, a, b):
         return op.Add(a, b, _outputs=["added"])
 
+    def _refusal(self, a: ir.Value, b: ir.Value, added: ir.Value) -> str | None:
+        raise NotImplementedError
+
     def check(self, context, a, b, added, **_) -> MatchResult:
         del context
-        if not any(_starts_layer_norm(added, user, index) for user, index in added.uses()):
-            return MatchResult().fail("no layer norm reads the sum")
-        if _qdq.const_array(a) is not None or _qdq.const_array(b) is not None:
-            return MatchResult().fail("one input is a constant (a bias): ORT fuses it elsewhere")
-        refusal = _sum_refusal(a, b, added)
+        refusal = self._refusal(a, b, added) or _sum_refusal(a, b, added)
         return MatchResult().fail(refusal) if refusal else MatchResult()
 
     def rewrite(self, op, a, b, added, **_):
         if self.report is not None:
-            self.report.changed(RULE_NAME, added.producer().name or str(added.name),
-                                "residual Add read by a layer norm written as Sum (no SkipLayerNormalization)",
-                                exact=True)
+            self.report.changed(self.rule_name, added.producer().name or str(added.name), self.detail, exact=True)
         return op.Sum(a, b)
+
+
+class ResidualAddAsSum(_AddAsSum):
+    """``Add(a, b)`` of two computed tensors read by a layer norm ==> ``Sum(a, b)``. Exact."""
+
+    rule_name = RULE_NAME
+    detail = "residual Add read by a layer norm written as Sum (no SkipLayerNormalization)"
+
+    def _refusal(self, a, b, added):
+        if not any(_starts_layer_norm(added, user, index) for user, index in added.uses()):
+            return "no layer norm reads the sum"
+        if _qdq.const_array(a) is not None or _qdq.const_array(b) is not None:
+            return "one input is a constant (a bias): ORT fuses it elsewhere"
+        return None
 
 
 def _integer_float_output_matmul(value: ir.Value) -> ir.Node | None:
@@ -117,36 +131,23 @@ def _integer_float_output_matmul(value: ir.Value) -> ir.Node | None:
     return node
 
 
-class MatMulBiasAsSum(RewriteRuleClassBase):
+class MatMulBiasAsSum(_AddAsSum):
     """``DQ -> MatMul -> Add(., constant bias)`` ==> ``... -> Sum(., bias)``. Exact."""
 
-    def __init__(self, report: FixReport | None = None):
-        super().__init__(name=MATMUL_BIAS_RULE_NAME)
-        self.report = report
+    rule_name = MATMUL_BIAS_RULE_NAME
+    detail = "bias Add of an integer MatMul written as Sum (no float Gemm from MatMulAddFusion)"
 
-    def pattern(self, op, product, bias):
-        return op.Add(product, bias, _outputs=["added"])
-
-    def check(self, context, product, bias, added, **_) -> MatchResult:
-        del context
+    def _refusal(self, a, b, added):
+        product, bias = a, b
         if _qdq.const_array(bias) is None:
-            return MatchResult().fail("the other input is not a constant bias")
+            return "the other input is not a constant bias"
         if _integer_float_output_matmul(product) is None:
-            return MatchResult().fail("not the float output of a MatMul with dequantized inputs and weight")
-        shape = product.shape
-        if shape is None or not all(isinstance(dim, int) for dim in shape):
+            return "not the float output of a MatMul with dequantized inputs and weight"
+        if product.shape is None or not all(isinstance(dim, int) for dim in product.shape):
             # MatMulAddFusion needs static shapes; where they are symbolic the Add stays (ORT's
             # Sum kernel is slower than Add on two threads: 25 vs 16 us at [1,128,1536])
-            return MatchResult().fail("shapes are not static: ORT's MatMulAddFusion does not fire")
-        refusal = _sum_refusal(product, bias, added)
-        return MatchResult().fail(refusal) if refusal else MatchResult()
-
-    def rewrite(self, op, product, bias, added, **_):
-        if self.report is not None:
-            self.report.changed(MATMUL_BIAS_RULE_NAME, added.producer().name or str(added.name),
-                                "bias Add of an integer MatMul written as Sum (no float Gemm from MatMulAddFusion)",
-                                exact=True)
-        return op.Sum(product, bias)
+            return "shapes are not static: ORT's MatMulAddFusion does not fire"
+        return None
 
 
 def residual_sum_rules(report: FixReport | None = None) -> RewriteRuleSet:

@@ -44,12 +44,7 @@ g (float[1,6,8] x, float[1,6,8] r) => (float[1,6,8] y, float[1,6,8] s)
 
 
 def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport, int]:
-    model = ir.serde.deserialize_model(proto)
-    report = FixReport()
-    count = residual_sum_rules(report).apply_to_model(model)
-    out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    return out, report, count
+    return _testing.apply_reporting_rules(proto, residual_sum_rules)
 
 
 def _assert_bit_identical(a: onnx.ModelProto, b: onnx.ModelProto, n: int = 4) -> None:
