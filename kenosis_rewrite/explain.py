@@ -635,7 +635,7 @@ def _check_missing(node: ir.Node, x_dq, w_dq, activation, out_q, users) -> list[
         missing.append(f"weight {_input(node, w_i).name!r} has no DequantizeLinear")
     w_p = _params(w_dq)
     if (x_dq is None and w_dq is None and node.op_type == "MatMul"
-            and not any(_qdq.constant_or_dequantized(v) is not None for v in node.inputs[:2])):
+            and not any(_qdq.const_array(v) is not None for v in node.inputs[:2])):
         # attention scores/context: quantize()'s weighted plan leaves them float on purpose
         detail = ("both operands are computed tensors (attention scores or context); quantize() keeps them "
                   "float: int8 measured slower on ORT CPU (kenosis_rewrite.plan)")

@@ -224,7 +224,8 @@ def quantize(
             (:mod:`kenosis_rewrite.bias_correction`; on by default: measured better on the zoo,
             with real calibration photos and with self-calibration alike).
         plan: which ops to quantize (:mod:`kenosis_rewrite.plan`): ``"full"`` (every op, CNNs),
-            ``"weighted"`` (only Conv/MatMul/Gemm inputs, MatMul outputs float: transformers), or
+            ``"weighted"`` (only the inputs of constant-weight MatMul/Gemm, their outputs float:
+            transformers), or
             ``"auto"`` (``"weighted"`` where the graph has attention).
 
     Returns:
