@@ -10,12 +10,12 @@ turns into one)::
     Add(a, b) -> LayerNormalization       ==>     Sum(a, b) -> LayerNormalization
 
 Why: at session time ORT's level-2 ``SkipLayerNormFusion`` folds ``Add -> LayerNormalization`` (and
-the bias Add before it) into ``com.microsoft.SkipLayerNormalization``, whose x86 CPU kernel is 4-8x
-slower than the Add and the LayerNormalization it replaces (onnxruntime 1.32.0, AMD EPYC with
-AVX512-VNNI, one thread: 231 vs 38 us at [1,128,384], 1765 vs 210 us at [1,512,768]; two threads
-likewise; ``python examples/skip_layernorm.py`` measures it). The fusion matches ``Add`` only, so
+the bias Add before it) into ``com.microsoft.SkipLayerNormalization``, whose x86 CPU kernel is
+3-8x slower on one thread than the Sum and the LayerNormalization it replaces, 1.3-5x on two
+(onnxruntime 1.32.0, AMD EPYC with AVX512-VNNI: 235 vs 31 us at [1,128,384], 2026 vs 272 us at
+[1,512,768]; ``python examples/skip_layernorm.py`` measures it). The fusion matches ``Add`` only, so
 the same addition written as the two-input ``Sum`` keeps the fast kernels. Transformers lose most
-(MiniLM-L3 quantized dynamically: 3 SkipLayerNormalizations took 0.7 of its 5.6 ms).
+(MiniLM-L3 quantized dynamically, ORT's profiler: 3 SkipLayerNormalizations took 0.7 of its 5.6 ms).
 
 Left alone: Adds with a constant input (biases: see 2.), Adds read by no layer norm.
 
@@ -145,7 +145,7 @@ class MatMulBiasAsSum(_AddAsSum):
             return "not the float output of a MatMul with dequantized inputs and weight"
         if product.shape is None or not all(isinstance(dim, int) for dim in product.shape):
             # MatMulAddFusion needs static shapes; where they are symbolic the Add stays (ORT's
-            # Sum kernel is slower than Add on two threads: 25 vs 16 us at [1,128,1536])
+            # Sum kernel is slower than Add on two threads: 54 vs 39 us at [1,512,768])
             return "shapes are not static: ORT's MatMulAddFusion does not fire"
         return None
 

@@ -150,3 +150,32 @@ def test_bias_add_left_alone_where_orts_fusion_would_not_fire(source):
     _, _, count = _apply(proto)
     assert count == 0
     assert "MatMulIntegerToFloat" in _testing.ort_optimized_op_types(proto) or "MatMul(x, dw)" in source
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_property_generated_transformers_fp32_and_qdq_rewritten_bit_exactly(seed):
+    """Generated pre-LayerNorm encoders (random width, heads, length, depth), as FP32 and as
+    quantize_static QDQ with MatMul outputs left float (the weighted plan's placement, static
+    shapes): every residual Add and every integer MatMul's bias Add becomes a Sum, op by op the
+    outputs are bit-identical, and ORT then runs no SkipLayerNormalization, and in the QDQ model
+    every weight MatMul integer (no float Gemm; in FP32 its MatMul+Add -> Gemm is right)."""
+    from kenosis_rewrite import ort_quantize, weights  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    heads = int(rng.choice([1, 2, 4]))
+    hidden, seq, layers = heads * int(rng.choice([8, 16])), int(rng.integers(3, 12)), int(rng.integers(1, 3))
+    fp32 = weights.toy_transformer(hidden=hidden, layers=layers, heads=heads, seq=seq, seed=seed)
+    feeds = [{"x": rng.standard_normal((1, seq, hidden)).astype(np.float32)} for _ in range(4)]
+    qdq = ort_quantize.quantize_with_ort(
+        fp32, feeds, "default", activation_type=ort_quantize.QuantType.QUInt8, op_types_to_quantize=["MatMul"],
+        nodes_to_exclude=[f"layer{i}.attn/{p}" for i in range(layers) for p in ("QK", "PV")],
+        extra_options={"OpTypesToExcludeOutputQuantization": ["MatMul"]})
+    for proto, expected in ((fp32, 2 * layers), (qdq, 2 * layers + 6 * layers)):
+        fixed, report, count = _apply(onnx.shape_inference.infer_shapes(proto))
+        assert count == expected and all(change.exact for change in report.changes)
+        assert "SkipLayerNormalization" not in _testing.ort_optimized_op_types(fixed)
+        for feed in feeds:
+            for got, want in zip(_testing.outputs(fixed, feed, optimized=False), _testing.outputs(proto, feed, optimized=False)):
+                np.testing.assert_array_equal(got, want)
+    runs = _testing.ort_optimized_op_types(fixed)  # the QDQ model
+    assert runs["MatMulIntegerToFloat"] == 6 * layers and "Gemm" not in runs
