@@ -10,7 +10,8 @@
    Ranges come from :func:`kenosis_rewrite.calibration.collect_ranges` (min/max, percentile,
    entropy or MSE). Which ops it quantizes is the plan (:mod:`kenosis_rewrite.plan`): every op
    for CNNs, only the weighted ops' inputs for transformers (LayerNorm, Softmax, GELU, attention
-   MatMuls and the MatMuls' outputs stay float, as ORT runs them best).
+   MatMuls and the MatMuls' outputs stay float, as ORT runs them best; the ops that run in float
+   read the float tensors, not the quantized copies made for the MatMuls).
 4. :func:`kenosis_rewrite.fix` for the target.
 5. Model-output protection (outputs leave in float), on by default.
 6. Bias correction: each Conv/Gemm's mean output shift on the calibration feeds moves into its
@@ -43,7 +44,8 @@ from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
 from kenosis_rewrite.canonical import prepare as prepare_model
-from kenosis_rewrite.plan import choose_plan, plan_options
+from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
+from kenosis_rewrite.plan import WEIGHTED_OPS, choose_plan, plan_options
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.targets import get_target
 
@@ -283,6 +285,8 @@ def quantize(
         raise KenosisError(f"onnxruntime's quantize_static failed on this model: {error}") from None
     model = ir.serde.deserialize_model(qdq)
     FixPass(target, report)(model)
+    if chosen_plan == "weighted":
+        FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph)(model)
     if bias_correction:
