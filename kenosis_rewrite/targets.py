@@ -52,6 +52,7 @@ from kenosis_rewrite.rules.activation_islands import (
     ReluZeroPointToQmin,
 )
 from kenosis_rewrite.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldBatchNormIntoConvThroughQDQ
+from kenosis_rewrite.rules.gather_dequantize import GatherBeforeDequantize
 from kenosis_rewrite.rules.matmul_nbits import matmul_nbits_rules
 from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
@@ -93,6 +94,8 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
         ReluZeroPointToQmin.rule(report), ClipZeroPointToQmin.rule(report),
         PReluToLeakyRelu.rule(report), PReluToReluMin.rule(report),
         QuantizeSigmoidGate.rule(report),
+        # a quantized embedding table is otherwise dequantized whole on every run
+        GatherBeforeDequantize.rule(report),
         *matmul_nbits_rules(report).rules,
     ]
 
