@@ -42,7 +42,11 @@ The input model is never modified; the output passes ``onnx.checker`` with ``ful
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
+import functools
+import os
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -51,7 +55,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
 from kenosis_rewrite import _io, _qdq
-from kenosis_rewrite.errors import KenosisError, RewriteError
+from kenosis_rewrite.errors import KenosisError, ModelTooLargeError, RewriteError
 
 __all__ = [
     "BlockQuantized", "quantize_weights", "quantize_blockwise", "dequantize_blockwise",
@@ -64,6 +68,7 @@ QDQ_MIN_IR_VERSION = 10
 MSFT_DOMAIN = "com.microsoft"
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 _SEARCH_RATIOS = np.linspace(1.0, 0.55, 19)
+_CHUNK_ELEMENTS = 1 << 18  # floats per chunk of the scale search: its temporaries stay in a core's L2 cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +142,34 @@ def quantize_blockwise(
     dtype = _quantized_type(bits, symmetric)
     qmin, qmax = _qdq.INTEGER_RANGES[dtype]
     blocks = _blocks(weight.astype(np.float32), block_size)
+    ratios = _SEARCH_RATIOS if scale_search else _SEARCH_RATIOS[:1]
+    container = np.uint8 if qmin == 0 else np.int8
+    # Blocks are independent: search them in cache-sized chunks, on every core (numpy releases the GIL).
+    step = max(1, _CHUNK_ELEMENTS // (block_size * weight.shape[1]))
+    chunks = [blocks[start:start + step] for start in range(0, blocks.shape[0], step)]
+    search = functools.partial(_search, symmetric=symmetric, qmin=qmin, qmax=qmax, scale_dtype=scale_dtype,
+                               ratios=ratios, container=container)
+    if len(chunks) > 1:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(chunks), os.cpu_count() or 1)) as pool:
+            parts = list(pool.map(search, chunks))
+    else:
+        parts = [search(chunks[0])]
+    scale = np.concatenate([part[0] for part in parts])
+    zero_point = np.concatenate([part[1] for part in parts])
+    q = np.concatenate([part[2] for part in parts])
+    return BlockQuantized(
+        data=q.reshape(-1, weight.shape[1])[: weight.shape[0]],
+        scale=scale.astype(scale_dtype),
+        zero_point=None if symmetric else zero_point.astype(np.uint8),
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def _search(blocks, *, symmetric, qmin, qmax, scale_dtype, ratios, container):
+    """``(scale, zero_point, q)`` of ``blocks[n, block_size, N]``: per block, the ratio of least squared error."""
     best = None
-    for ratio in (_SEARCH_RATIOS if scale_search else _SEARCH_RATIOS[:1]):
+    for ratio in ratios:
         scale, zero_point = _candidate(blocks, ratio, symmetric, qmin, qmax, scale_dtype)
         q = _quantize_with(blocks, scale, zero_point, qmin, qmax)
         error = (((q - zero_point[:, None, :]) * scale[:, None, :] - blocks) ** 2).sum(axis=1)
@@ -151,14 +182,7 @@ def quantize_blockwise(
         best[2] = np.where(better[:, None, :], q, best[2])
         best[3] = np.minimum(error, best[3])
     scale, zero_point, q, _ = best
-    data = q.reshape(-1, weight.shape[1])[: weight.shape[0]].astype(np.int16)
-    return BlockQuantized(
-        data=data.astype(np.uint8 if qmin == 0 else np.int8),
-        scale=scale.astype(scale_dtype),
-        zero_point=None if symmetric else zero_point.astype(np.uint8),
-        block_size=block_size,
-        dtype=dtype,
-    )
+    return scale, zero_point, q.astype(np.int16).astype(container)
 
 
 def dequantize_blockwise(quantized: BlockQuantized) -> np.ndarray:
@@ -254,6 +278,18 @@ def _candidate_or_none(node: ir.Node, op_types, exclude, block_size: int) -> _Ca
     return _Candidate(node, np.ascontiguousarray(weight), bias, beta)
 
 
+def _packed_4bit(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.PackedTensor:
+    """4-bit ``values`` (already in range) held two per byte, low nibble first, as ONNX stores them."""
+    lo, hi = _qdq.INTEGER_RANGES[dtype]
+    if values.size and (values.min() < lo or values.max() > hi):
+        raise ValueError(f"values out of range for {dtype.name}")
+    flat = values.reshape(-1).view(np.uint8) if values.dtype in (np.int8, np.uint8) else values.reshape(-1).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    packed = (flat[0::2] & 0x0F) | ((flat[1::2] & 0x0F) << 4)
+    return ir.PackedTensor(packed, dtype, shape=values.shape, name=name)
+
+
 class _Builder:
     """Creates initializers and nodes of one graph with fresh names."""
 
@@ -263,7 +299,9 @@ class _Builder:
 
     def initializer(self, array: np.ndarray, base: str, dtype: ir.DataType | None = None) -> ir.Value:
         name = self.names.fresh(base)
-        if dtype is not None and dtype in _qdq.INTEGER_RANGES and dtype not in _qdq.EIGHT_BIT:
+        if dtype in (ir.DataType.INT4, ir.DataType.UINT4):
+            tensor = _packed_4bit(array, dtype, name)
+        elif dtype is not None and dtype in _qdq.INTEGER_RANGES and dtype not in _qdq.EIGHT_BIT:
             tensor = _qdq.integer_tensor(array, dtype, name)
         else:
             tensor = ir.tensor(array if dtype is None else array.astype(dtype.numpy()), name=name)
@@ -340,6 +378,12 @@ def _resolve_form(form: str, opset: int) -> str:
 
 def _upgrade_opset(model: ir.Model) -> ir.Model:
     """``model`` converted to opset 21 by onnx.version_converter (IR version >= 10)."""
+    if _io.is_large(model):
+        raise ModelTooLargeError(
+            f"form='qdq' needs opset {QDQ_MIN_OPSET}, and a model over 2 GB cannot go through onnx.version_converter "
+            f"(it holds the whole model in one protobuf). Use form='matmul_nbits' (works at any opset), or "
+            f"convert the model to opset {QDQ_MIN_OPSET} first."
+        )
     proto = ir.serde.serialize_model(model)
     try:
         converted = onnx.version_converter.convert_version(proto, QDQ_MIN_OPSET)
@@ -352,11 +396,26 @@ def _upgrade_opset(model: ir.Model) -> ir.Model:
     return ir.serde.deserialize_model(converted)
 
 
+def _release(value: ir.Value) -> None:
+    """Unmap a weight read from an external file (it is read again only if something asks for it)."""
+    if isinstance(value.const_value, ir.ExternalTensor):
+        try:
+            value.const_value.release()
+        except BufferError:  # something still views the mapping: it is unmapped when that goes
+            pass
+
+
 def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, exclude, form,
                     scale_search, accuracy_level) -> int:
+    """Quantize and rewrite the eligible MatMul/Gemm nodes of ``model`` one weight at a time.
+
+    Only one float weight is held in memory at a time (external weights are unmapped after use); a
+    weight read by several MatMuls is quantized once and kept until its last reader is rewritten.
+    """
     graph = model.graph
     builder = _Builder(graph)
     cache: dict[tuple, BlockQuantized] = {}
+    readers = collections.Counter(_weight_key(node) for node in graph if len(node.inputs) > 1)
     count = 0
     for node in list(graph):
         candidate = _candidate_or_none(node, op_types, exclude, block_size)
@@ -364,11 +423,20 @@ def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, e
             continue
         key = (_weight_key(node), node.op_type, node.attributes.get_int("transB", 0),
                node.attributes.get_float("alpha", 1.0))
-        if key not in cache or not key[0]:
-            cache[key] = quantize_blockwise(
+        quantized = cache.get(key) if key[0] else None
+        if quantized is None:
+            quantized = quantize_blockwise(
                 candidate.weight, bits=bits, block_size=block_size, symmetric=symmetric, scale_search=scale_search
             )
-        _rewrite(builder, candidate, cache[key], form, accuracy_level)
+            if key[0] and readers[key[0]] > 1:
+                cache[key] = quantized
+        weight_value = node.inputs[1]
+        _rewrite(builder, candidate, quantized, form, accuracy_level)
+        del candidate
+        _release(weight_value)
+        readers[key[0]] -= 1
+        if not readers[key[0]]:
+            cache.pop(key, None)
         count += 1
     if form == "matmul_nbits" and count:
         model.opset_imports.setdefault(MSFT_DOMAIN, 1)
@@ -413,11 +481,23 @@ def quantize_weights(
         accuracy_level: MatMulNBits ``accuracy_level`` attribute (form ``"matmul_nbits"`` only).
 
     Returns:
-        The quantized model, of the kind given (a path gives a ModelProto).
+        The quantized model, of the kind given (a path gives a ModelProto), or an onnx_ir.Model when
+        the output is over 2 GB (save it with :func:`kenosis_rewrite.save`). A path to a model over
+        2 GB with external data is read one weight at a time and never held whole in memory.
 
     Raises:
         KenosisError: bad arguments, or a model that cannot be converted to opset 21 for ``"qdq"``.
     """
+    return _io.to_output(quantize_weights_loaded(
+        model, bits=bits, block_size=block_size, symmetric=symmetric, op_types=op_types, exclude=exclude,
+        form=form, scale_search=scale_search, accuracy_level=accuracy_level,
+    ))
+
+
+def quantize_weights_loaded(model: _io.ModelLike, *, bits: int = 4, block_size: int = 32, symmetric: bool = True,
+                            op_types: Iterable[str] = ("MatMul", "Gemm"), exclude=(), form: str = "auto",
+                            scale_search: bool = True, accuracy_level: int | None = None) -> _io.LoadedModel:
+    """:func:`quantize_weights` without the conversion of the result (the CLI saves the onnx-ir model as it is)."""
     _check_arguments(bits, block_size)
     loaded = _io.load(model, require_qdq=False)
     resolved = _resolve_form(form, _qdq.default_opset(loaded.model))
@@ -429,13 +509,11 @@ def quantize_weights(
         loaded.model, bits=bits, block_size=block_size, symmetric=symmetric, op_types=tuple(op_types),
         exclude=exclude, form=resolved, scale_search=scale_search, accuracy_level=accuracy_level,
     )
-    proto = _io.in_memory_proto(loaded.model)
-    if proto is not None:
-        try:
-            onnx.checker.check_model(proto, full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-            raise RewriteError(f"internal error: the weight-quantized model fails the ONNX checker ({error})") from None
-    return _io.to_output(loaded)
+    try:  # the graph without its tensor data: the check reads no data, and the model may be any size
+        _io.check_model(_io.graph_only_proto(loaded.model), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        raise RewriteError(f"internal error: the weight-quantized model fails the ONNX checker ({error})") from None
+    return loaded
 
 
 # --------------------------------------------------------------------------------------------
