@@ -79,8 +79,9 @@ def _external_bytes(proto: onnx.ModelProto) -> int:
     return total
 
 
-def _load_path(path: os.PathLike | str) -> onnx.ModelProto | None:
-    """The model at ``path`` with its external data read in, or None when that exceeds LAZY_LOAD_BYTES."""
+def _load_path(path: os.PathLike | str, lazy: bool) -> onnx.ModelProto | None:
+    """The model at ``path`` with its external data read in, or None (``lazy``) when that exceeds
+    LAZY_LOAD_BYTES; without ``lazy``, a model over LARGE_MODEL_BYTES is refused before it is read."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise NotAnOnnxModelError(f"{path!r} does not exist or is not a file.")
@@ -89,8 +90,14 @@ def _load_path(path: os.PathLike | str) -> onnx.ModelProto | None:
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         raise NotAnOnnxModelError(f"{path!r} is not a readable ONNX model: {error}") from None
     external = _external_bytes(proto)
-    if external and proto.ByteSize() + external > LAZY_LOAD_BYTES:
+    if lazy and external and proto.ByteSize() + external > LAZY_LOAD_BYTES:
         return None
+    if external and proto.ByteSize() + external > LARGE_MODEL_BYTES:
+        raise ModelTooLargeError(
+            f"{path!r} is over 2 GB with its external data, and this step needs the whole model in memory as one "
+            "protobuf. fix(), explain() and quantize_weights() read such models lazily; for a float model, "
+            "quantize its weights with quantize_weights() (weight-only int4/int8) instead of quantize()."
+        )
     try:
         if external:
             onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
@@ -311,8 +318,13 @@ def _sorted_notes(copy: ir.Model, checkable: onnx.ModelProto | None) -> list[str
     return _sort(copy) if unsorted else []
 
 
-def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
-    """A private onnx-ir copy of ``model``; the caller's object is never touched."""
+def load(model: ModelLike, *, require_qdq: bool = True, lazy: bool = False) -> LoadedModel:
+    """A private onnx-ir copy of ``model``; the caller's object is never touched.
+
+    ``lazy``: a path whose external data exceeds LAZY_LOAD_BYTES keeps its tensors on disk
+    (memory-mapped) for callers that work tensor by tensor (fix, explain, quantize_weights); others
+    get every tensor in memory, and a path over 2 GB is refused with ModelTooLargeError.
+    """
     if isinstance(model, ir.Model):
         copy, checkable = _copy_ir_model(model)
         notes = _sorted_notes(copy, checkable)
@@ -323,7 +335,7 @@ def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
         proto = model
         returns = "proto"
     elif isinstance(model, (str, os.PathLike)):
-        proto = _load_path(model)
+        proto = _load_path(model, lazy)
         if proto is None:
             loaded = _load_lazy(model)
             if require_qdq:

@@ -927,7 +927,7 @@ def explain(model: _io.ModelLike, *, threads: int = 1) -> FusionReport:
     """
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    loaded = _io.load(model, require_qdq=False)
+    loaded = _io.load(model, require_qdq=False, lazy=True)
     with tempfile.TemporaryDirectory(prefix="kenosis_explain_") as directory:
         optimized = optimized_graph(loaded.model, directory, threads, source=loaded.path)
         shaped = _with_shapes(loaded.model)

@@ -195,7 +195,7 @@ def _fix_once(
     model: _io.ModelLike | _io.LoadedModel, target: str, disabled: frozenset[str], output_ranges: Mapping | None = None,
 ) -> tuple[_io.LoadedModel, FixReport]:
     """FixPass on a fresh private copy of ``model`` (or on ``model`` itself when it is one already)."""
-    loaded = model if isinstance(model, _io.LoadedModel) else _io.load(model)
+    loaded = model if isinstance(model, _io.LoadedModel) else _io.load(model, lazy=True)
     report = FixReport(target=target)
     for note in loaded.notes:
         report.note(note)
@@ -245,7 +245,7 @@ def _guarded_fix(
         return loaded, report, after
     for disabled in [*candidate_undos(report), None]:
         if disabled is None:  # nothing short of no rewrite at all passes: return the input as it was
-            loaded = _io.load(model)
+            loaded = _io.load(model, lazy=True)
             retry_report, retry_after = FixReport(target=target), _io.in_memory_proto(loaded.model)
             undone = "every rewrite"
         else:
@@ -317,7 +317,7 @@ def fix_loaded(
     if bias_correction and (float_model is None or not calibration):
         raise KenosisError("bias_correction=True needs float_model= (the FP32 original) and calibration= feeds: "
                            "the correction is the mean difference between the two on that data")
-    first = _io.load(model)
+    first = _io.load(model, lazy=True)
     if _io.ALREADY_FUSED_NOTE in first.notes:  # MatMulNBits form: what fix() would make; nothing to do
         report = FixReport(target=target)
         for note in first.notes:

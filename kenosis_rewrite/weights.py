@@ -534,7 +534,7 @@ def quantize_weights_loaded(model: _io.ModelLike, *, bits: int = 4, block_size: 
                             scale_search: bool = True, accuracy_level: int | None = None) -> _io.LoadedModel:
     """:func:`quantize_weights` without the conversion of the result (the CLI saves the onnx-ir model as it is)."""
     _check_arguments(bits, block_size)
-    loaded = _io.load(model, require_qdq=False)
+    loaded = _io.load(model, require_qdq=False, lazy=True)
     resolved = _resolve_form(form, _qdq.default_opset(loaded.model))
     if resolved == "qdq" and _qdq.default_opset(loaded.model) < QDQ_MIN_OPSET:
         loaded = _io.LoadedModel(_upgrade_opset(loaded.model), loaded.returns)

@@ -190,3 +190,16 @@ def test_batch_shards_and_list_files(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["b.onnx"]
     assert "1 ok, 0 skipped, 0 failed" in capsys.readouterr().out
     assert cli.main(["quantize-weights", str(listing), out, "--shard", "3/2"]) == 2
+
+
+def test_a_lazily_read_path_under_2_gb_still_gives_a_model_proto(tmp_path, monkeypatch):
+    monkeypatch.setattr(_io, "LAZY_LOAD_BYTES", 4096)  # read lazily, but small enough for one protobuf
+    qdq = _proto(weights.quantize_weights(_mlp(), bits=4, block_size=32))
+    path = _save_external(qdq, tmp_path / "qdq.onnx")
+    fixed, report = kenosis_rewrite.fix(path, return_report=True)
+    assert isinstance(fixed, onnx.ModelProto)
+    assert not any("guard did not run" in note for note in report.notes)  # small: the guard ran
+    np.testing.assert_array_equal(_run(fixed, X), _run(qdq, X))
+    quantized = kenosis_rewrite.quantize_weights(_save_external(_mlp(), tmp_path / "f.onnx"), bits=4)
+    assert isinstance(quantized, onnx.ModelProto)
+    np.testing.assert_array_equal(_run(quantized, X), _run(qdq, X))
