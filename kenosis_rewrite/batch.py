@@ -45,12 +45,16 @@ def is_batch_input(path: str) -> bool:
     return os.path.isdir(path) or (path.endswith(".txt") and os.path.isfile(path))
 
 
-def list_models(source: str) -> list[tuple[str, str]]:
-    """``(path, relative name)`` of every model of a folder or list file, sorted by name."""
+def list_models(source: str, exclude: str | None = None) -> list[tuple[str, str]]:
+    """``(path, relative name)`` of every model of a folder or list file, sorted by name.
+
+    ``exclude``: a folder left out of the walk (the output folder, when it sits inside the input).
+    """
     if os.path.isdir(source):
         found = []
+        skip = os.path.realpath(exclude) if exclude else None
         for root, dirs, files in os.walk(source):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) != skip)
             found += [os.path.join(root, f) for f in files if f.endswith(".onnx")]
         return sorted((path, os.path.relpath(path, source)) for path in found)
     base = os.path.dirname(os.path.abspath(source))
@@ -99,7 +103,7 @@ def _run_one(command: str, model: str, name: str, out_dir: str, partial: str, op
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(messages):
             code = cli.main(_single_argv(command, model, staged, options))
-    except BaseException as error:  # noqa: BLE001 - one model's crash must not stop the batch
+    except Exception as error:  # noqa: BLE001 - one model's crash must not stop the batch
         code, messages = 1, io.StringIO(f"{type(error).__name__}: {error}")
     seconds = time.perf_counter() - start
     try:
@@ -167,7 +171,7 @@ def batch_main(command: str, argv: list[str]) -> int:
         print(f"kenosis-rewrite {command}: error: --jobs must be >= 1", file=sys.stderr)
         return 2
     try:
-        models = _shard(list_models(args.input), args.shard)
+        models = _shard(list_models(args.input, exclude=out_dir), args.shard)
     except (ValueError, OSError) as error:
         print(f"kenosis-rewrite {command}: error: {error}", file=sys.stderr)
         return 2
