@@ -57,6 +57,10 @@ def _save_external(model: onnx.ModelProto, path) -> str:
 @pytest.fixture
 def large(monkeypatch):
     """Every model over 4 KiB counts as over 2 GB, and external data may not be gathered into a proto."""
+    _lower_limits(monkeypatch)
+
+
+def _lower_limits(monkeypatch) -> None:
     monkeypatch.setattr(_io, "LARGE_MODEL_BYTES", 4096)
     monkeypatch.setattr(_io, "LAZY_LOAD_BYTES", 4096)
 
@@ -203,3 +207,31 @@ def test_a_lazily_read_path_under_2_gb_still_gives_a_model_proto(tmp_path, monke
     quantized = kenosis_rewrite.quantize_weights(_save_external(_mlp(), tmp_path / "f.onnx"), bits=4)
     assert isinstance(quantized, onnx.ModelProto)
     np.testing.assert_array_equal(_run(quantized, X), _run(qdq, X))
+
+
+def test_fix_of_a_large_int8_cnn_path_rewrites_like_the_in_memory_fix(tmp_path, monkeypatch):
+    from kenosis_rewrite import ort_quantize, toy_models  # noqa: PLC0415
+
+    float_model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(float_model, 4)
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    expected, expected_report = kenosis_rewrite.fix(qdq, verify=False, return_report=True)
+    assert expected_report.change_counts()  # the rules do change this model
+    expected = _proto(expected)
+    path = _save_external(qdq, tmp_path / "m.onnx")
+    _lower_limits(monkeypatch)
+    before = {name: os.path.getmtime(tmp_path / name) for name in os.listdir(tmp_path)}
+    fixed, report = kenosis_rewrite.fix(path, return_report=True)
+    assert report.change_counts() == expected_report.change_counts()
+    assert isinstance(fixed, ir.Model)
+    out = str(tmp_path / "out.onnx")
+    kenosis_rewrite.save(fixed, out)
+    onnx.checker.check_model(out, full_check=True)
+    assert [n.op_type for n in onnx.load(out, load_external_data=False).graph.node] == \
+        [n.op_type for n in expected.graph.node]
+    session = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    reference = ort.InferenceSession(expected.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feed in feeds:
+        for got, want in zip(session.run(None, feed), reference.run(None, feed)):
+            np.testing.assert_array_equal(got, want)
+    assert {name: os.path.getmtime(tmp_path / name) for name in before} == before  # the input untouched
