@@ -93,17 +93,35 @@ def _load_path(path: os.PathLike | str, lazy: bool) -> onnx.ModelProto | None:
     if lazy and external and proto.ByteSize() + external > LAZY_LOAD_BYTES:
         return None
     if external and proto.ByteSize() + external > LARGE_MODEL_BYTES:
-        raise ModelTooLargeError(
-            f"{path!r} is over 2 GB with its external data, and this step needs the whole model in memory as one "
-            "protobuf. fix(), explain() and quantize_weights() read such models lazily; for a float model, "
-            "quantize its weights with quantize_weights() (weight-only int4/int8) instead of quantize()."
-        )
+        raise ModelTooLargeError(_TOO_LARGE.format(path=path))
     try:
         if external:
             onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
     except (RuntimeError, ValueError, OSError) as error:
         raise InvalidModelError(f"The external data of {path!r} cannot be read: {error}") from None
     return proto
+
+
+_TOO_LARGE = (
+    "{path!r} is over 2 GB with its external data, and this step needs the whole model in memory as one "
+    "protobuf. fix(), explain() and quantize_weights() read such models lazily; for a float model, "
+    "quantize its weights with quantize_weights() (weight-only int4/int8) instead of quantize()."
+)
+
+
+def refuse_over_2gb(path: os.PathLike | str) -> None:
+    """ModelTooLargeError when the model at ``path`` with its external data is over LARGE_MODEL_BYTES.
+
+    For steps that need the model in memory (bench, profile); reads the graph, not the tensors. An
+    unreadable file passes: the caller's own loading reports it.
+    """
+    try:
+        proto = onnx.load(os.fspath(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not our error to report
+        return
+    external = _external_bytes(proto)
+    if external and proto.ByteSize() + external > LARGE_MODEL_BYTES:
+        raise ModelTooLargeError(_TOO_LARGE.format(path=os.fspath(path)))
 
 
 def graph_only_proto(model: ir.Model) -> onnx.ModelProto:

@@ -92,6 +92,9 @@ def _quantize_weights(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from kenosis_rewrite import fidelity, profiler  # noqa: PLC0415
 
+    from kenosis_rewrite import _io  # noqa: PLC0415
+
+    _io.refuse_over_2gb(args.model)  # profiling runs the whole model in memory
     model = onnx.load(args.model) if isinstance(args.model, str) else args.model
     feed = fidelity.random_feeds(model, 1)[0]
     print(profiler.comparison_table(profiler.compare_integer_and_float(model, feed, runs=args.runs, threads=args.threads)))

@@ -235,3 +235,10 @@ def test_fix_of_a_large_int8_cnn_path_rewrites_like_the_in_memory_fix(tmp_path, 
         for got, want in zip(session.run(None, feed), reference.run(None, feed)):
             np.testing.assert_array_equal(got, want)
     assert {name: os.path.getmtime(tmp_path / name) for name in before} == before  # the input untouched
+
+
+def test_bench_and_profile_refuse_a_large_path_with_a_typed_error(tmp_path, large, capsys):
+    path = _save_external(_mlp(), tmp_path / "big.onnx")
+    assert cli.main(["profile", path]) == 1
+    assert cli.main(["bench", path, "--runs", "1"]) == 1
+    assert capsys.readouterr().err.count("over 2 GB") == 2
