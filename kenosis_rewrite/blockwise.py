@@ -125,32 +125,39 @@ def _search_symmetric(blocks, *, qmin, qmax, scale_dtype, ratios, container):
     """:func:`_search` for symmetric types, in place: the same arithmetic (bit for bit), fewer passes.
 
     The zero point is 0, so adding or subtracting it changes nothing (but the sign of a zero, which
-    neither the stored integer nor the squared error sees); the where() for all-zero blocks runs
-    only when there is one; the absolute maximum is taken once, not once per ratio.
+    neither the stored integer nor the squared error sees); the absolute maximum is taken once, not
+    once per ratio; and only the best scale is kept per block: its integers are computed once at the
+    end, by the same operations on the same values, so they equal those its error was measured on.
     """
     amax = np.abs(blocks).max(axis=1)
-    work, error_buffer = np.empty_like(blocks), np.empty_like(blocks)
-    best_scale = best_q = best_error = None
+    work = np.empty_like(blocks)
+    best_scale = best_error = None
     for ratio in ratios:
         scale = _round_scale(amax * ratio / qmax, scale_dtype)
-        zero = scale == 0
-        np.divide(blocks, np.where(zero, 1.0, scale)[:, None, :], out=work)
-        np.rint(work, out=work)
-        np.clip(work, qmin, qmax, out=work)
-        if zero.any():
-            np.copyto(work, 0.0, where=zero[:, None, :])
-        np.multiply(work, scale[:, None, :], out=error_buffer)
-        np.subtract(error_buffer, blocks, out=error_buffer)
-        np.square(error_buffer, out=error_buffer)
-        error = error_buffer.sum(axis=1)
-        if best_q is None:
-            best_scale, best_q, best_error = scale, work.copy(), error
+        _symmetric_integers(blocks, scale, qmin, qmax, out=work)
+        np.multiply(work, scale[:, None, :], out=work)
+        np.subtract(work, blocks, out=work)
+        np.square(work, out=work)
+        error = work.sum(axis=1)
+        if best_scale is None:
+            best_scale, best_error = scale, error
             continue
         better = error < best_error
         best_scale = np.where(better, scale, best_scale)
-        np.copyto(best_q, work, where=better[:, None, :])
         best_error = np.minimum(error, best_error)
-    return best_scale, np.zeros_like(best_scale), best_q.astype(np.int16).astype(container)
+    q = _symmetric_integers(blocks, best_scale, qmin, qmax, out=work)
+    return best_scale, np.zeros_like(best_scale), q.astype(np.int16).astype(container)
+
+
+def _symmetric_integers(blocks, scale, qmin, qmax, *, out):
+    """``clip(rint(blocks / scale), qmin, qmax)`` per block (0 where the scale is 0), into ``out``."""
+    zero = scale == 0
+    np.divide(blocks, np.where(zero, 1.0, scale)[:, None, :], out=out)
+    np.rint(out, out=out)
+    np.clip(out, qmin, qmax, out=out)
+    if zero.any():
+        np.copyto(out, 0.0, where=zero[:, None, :])
+    return out
 
 
 def _search(blocks, *, symmetric, qmin, qmax, scale_dtype, ratios, container):
