@@ -171,14 +171,14 @@ def _search(blocks, *, symmetric, qmin, qmax, scale_dtype, ratios, container):
         q = _quantize_with(blocks, scale, zero_point, qmin, qmax)
         error = (((q - zero_point[:, None, :]) * scale[:, None, :] - blocks) ** 2).sum(axis=1)
         if best is None:
-            best = [scale, zero_point, q, error]
+            best = [scale, zero_point, error]
             continue
-        better = error < best[3]
+        better = error < best[2]
         best[0] = np.where(better, scale, best[0])
         best[1] = np.where(better, zero_point, best[1])
-        best[2] = np.where(better[:, None, :], q, best[2])
-        best[3] = np.minimum(error, best[3])
-    scale, zero_point, q, _ = best
+        best[2] = np.minimum(error, best[2])
+    scale, zero_point, _ = best
+    q = _quantize_with(blocks, scale, zero_point, qmin, qmax)  # each block's integers at its best ratio, as measured
     return scale, zero_point, q.astype(np.int16).astype(container)
 
 
