@@ -332,8 +332,8 @@ def quantize_weights(
 
     Returns:
         The quantized model, of the kind given (a path gives a ModelProto), or an onnx_ir.Model when
-        the output is over 2 GB (save it with :func:`kenosis_rewrite.save`). A path to a model over
-        2 GB with external data is read one weight at a time and never held whole in memory.
+        the output is over 2 GB (save it with :func:`kenosis_rewrite.save`). A path whose external
+        data exceeds 256 MiB is read one weight at a time and never held whole in memory.
 
     Raises:
         KenosisError: bad arguments, or a model that cannot be converted to opset 21 for ``"qdq"``.
