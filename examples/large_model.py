@@ -13,7 +13,9 @@ its own Python process (peak RSS from ``os.wait4``'s rusage, wall time around th
   absmax round-to-nearest), ``--rtn --asymmetric`` (ORT's algorithm), and the default (per-block
   scale search, 19 clipping ratios: more accurate, slower);
 * ``kenosis-rewrite fix`` on the ``--rtn`` output (QDQ form: DequantizeLinear(int4, block) -> MatMul)
-  and on ORT's output (MatMulNBits form: left unchanged with a note).
+  and on ORT's output (MatMulNBits form: left unchanged with a note);
+* ``kenosis-rewrite explain`` on the FP32 model and on the ``--rtn`` output (ONNX Runtime builds a
+  session from the path, so it holds the model itself).
 
 It then loads the ``--rtn`` output in ORT, counts MatMulNBits in the optimized graph and compares one
 output against the FP32 model. Prints a markdown table; big files are deleted unless ``--keep``.
@@ -78,9 +80,10 @@ q.model.save_model_to_file(sys.argv[2], use_external_data_format=True)
 
 
 def measure(argv: list[str], quiet: bool = False) -> tuple[float, float, int]:
-    """``(wall_s, peak_rss_gb, returncode)`` of ``python argv...`` in a child process."""
+    """``(wall_s, peak_rss_gb, returncode)`` of ``python argv...`` in a child process (output dropped if ``quiet``)."""
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, *argv], stderr=subprocess.DEVNULL if quiet else None)
+    quiet_to = subprocess.DEVNULL if quiet else None
+    child = subprocess.Popen([sys.executable, *argv], stdout=quiet_to, stderr=quiet_to)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
     return wall, usage.ru_maxrss / 2**20, os.waitstatus_to_exitcode(status)
@@ -134,13 +137,17 @@ def main() -> None:
             [*cli, "fix", os.path.join(d, "kenosis_rtn.onnx"), os.path.join(d, "fixed.onnx")], "fixed."),
         "kenosis fix on ORT's output (MatMulNBits form)": (
             [*cli, "fix", os.path.join(d, "ort.onnx"), os.path.join(d, "fixed_ort.onnx")], "fixed_ort."),
+        "kenosis explain on the FP32 model (ORT session on the path)": (
+            [*cli, "explain", path], None),
+        "kenosis explain on the --rtn output": ([*cli, "explain", os.path.join(d, "kenosis_rtn.onnx")], None),
     }
     print(f"model: {args.layers} x MatMul[{args.hidden}x{args.hidden}] FP32, {model_gb:.2f} GB (external data)\n")
     print("| step | wall s | peak RSS GB | output GB | exit |")
     print("|---|---|---|---|---|")
     for name, (argv, prefix) in steps.items():
-        wall, rss, code = measure(argv, quiet=argv[0] == "-c")
-        print(f"| {name} | {wall:.1f} | {rss:.2f} | {_size_gb(d, prefix):.2f} | {code} |", flush=True)
+        wall, rss, code = measure(argv, quiet=argv[0] == "-c" or prefix is None)
+        output = f"{_size_gb(d, prefix):.2f}" if prefix else "-"
+        print(f"| {name} | {wall:.1f} | {rss:.2f} | {output} | {code} |", flush=True)
     fused, cosine = _check(d, args.hidden)
     print(f"\nORT fuses {fused} of {args.layers} MatMuls of kenosis' --rtn output into MatMulNBits; "
           f"output cosine vs FP32 {cosine:.5f}")
