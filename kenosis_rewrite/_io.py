@@ -325,7 +325,8 @@ def _copy_ir_model(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto | None]:
         base_dir = external_base_dir(model)
         if base_dir is not None:
             ir.external_data.set_base_dir(copy.graph, base_dir)
-        checkable = in_memory_proto(model)
+        # the input's own check: with its data when small, on the graph alone (no copy) when not
+        checkable = None if tensor_bytes(model) > LAZY_LOAD_BYTES else in_memory_proto(model)
     except Exception as error:  # noqa: BLE001 - any serialisation failure means a broken model
         raise InvalidModelError(f"The onnx_ir.Model could not be serialised: {error}") from None
     return copy, checkable
