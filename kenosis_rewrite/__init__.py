@@ -6,10 +6,12 @@
     print(kenosis_rewrite.explain(fixed).summary())          # which Conv/MatMul/Gemm run integer
     model = kenosis_rewrite.quantize(fp32_model)             # the whole pipeline, self-calibrated
     canonical = kenosis_rewrite.prepare(fp32_model, feeds)   # the FP32 graph a quantizer should see
+    kenosis_rewrite.save(model, "out.onnx")                  # external data when over 2 GB
 """
 
 from __future__ import annotations
 
+from kenosis_rewrite._io import save
 from kenosis_rewrite.errors import (
     InvalidModelError,
     KenosisError,
@@ -34,7 +36,7 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "TARGETS", "FixPass", "FixReport", "FusionReport", "prepare", "PrepareFailedError", "quantize", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
+    "save", "TARGETS", "FixPass", "FixReport", "FusionReport", "prepare", "PrepareFailedError", "quantize", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
     "KenosisError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
     "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
     "UnsupportedTargetError", "ZooError",

@@ -6,12 +6,14 @@ import dataclasses
 import os
 from typing import Union
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.errors import (
+    KenosisError,
     InvalidModelError,
     ModelTooLargeError,
     NoQDQError,
@@ -32,6 +34,14 @@ QOPERATOR_OPS = frozenset(
 )
 MIN_OPSET = 10  # QuantizeLinear/DequantizeLinear appeared in opset 10.
 _PROTOBUF_LIMIT = 2**31 - 1
+# Models whose tensors add up to more than this are "large": they are never gathered into one
+# ModelProto. Loaded from a path, their external tensors stay on disk (memory-mapped, read one at a
+# time); they are checked without their data and written with external data. Tests lower it.
+LARGE_MODEL_BYTES = _PROTOBUF_LIMIT
+# A path whose external data exceeds this is loaded lazily (onnx-ir, memory-mapped tensors), not
+# read whole into a ModelProto; the result is still a ModelProto up to LARGE_MODEL_BYTES.
+LAZY_LOAD_BYTES = 256 << 20
+_GRAPH_ONLY_LOCATION = "kenosis-graph-only.data"  # never read: stands in for tensor data in checks
 
 
 @dataclasses.dataclass
@@ -41,16 +51,146 @@ class LoadedModel:
     model: ir.Model
     returns: str  # "proto" or "ir"
     notes: list[str] = dataclasses.field(default_factory=list)  # what loading changed, for the report
+    path: str | None = None  # the file a model was loaded lazily from (its tensors are read from there)
+
+    @property
+    def large(self) -> bool:
+        """Whether the model is too large to hold as one ModelProto (see :data:`LARGE_MODEL_BYTES`)."""
+        return is_large(self.model)
 
 
-def _load_path(path: os.PathLike | str) -> onnx.ModelProto:
+def tensor_bytes(model: ir.Model) -> int:
+    """Bytes of every initializer of ``model``'s main graph, external ones included (nothing is read)."""
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def is_large(model: ir.Model) -> bool:
+    return tensor_bytes(model) > LARGE_MODEL_BYTES
+
+
+def _external_bytes(proto: onnx.ModelProto) -> int:
+    """Bytes of ``proto``'s tensors stored in external files (from their ``length`` entries)."""
+    total = 0
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):  # noqa: SLF001 - graphs and attributes
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {entry.key: entry.value for entry in tensor.external_data}
+            length = info.get("length")
+            total += int(length) if length else int(np.prod(tensor.dims, dtype=np.int64)) * 4
+    return total
+
+
+def _load_path(path: os.PathLike | str, lazy: bool) -> onnx.ModelProto | None:
+    """The model at ``path`` with its external data read in, or None (``lazy``) when that exceeds
+    LAZY_LOAD_BYTES; without ``lazy``, a model over LARGE_MODEL_BYTES is refused before it is read."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise NotAnOnnxModelError(f"{path!r} does not exist or is not a file.")
     try:
-        return onnx.load(path, load_external_data=True)
+        proto = onnx.load(path, load_external_data=False)
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         raise NotAnOnnxModelError(f"{path!r} is not a readable ONNX model: {error}") from None
+    external = _external_bytes(proto)
+    if lazy and external and proto.ByteSize() + external > LAZY_LOAD_BYTES:
+        return None
+    if external and proto.ByteSize() + external > LARGE_MODEL_BYTES:
+        raise ModelTooLargeError(_TOO_LARGE.format(path=path))
+    try:
+        if external:
+            onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+    except (RuntimeError, ValueError, OSError) as error:
+        raise InvalidModelError(f"The external data of {path!r} cannot be read: {error}") from None
+    return proto
+
+
+_TOO_LARGE = (
+    "{path!r} is over 2 GB with its external data, and this step needs the whole model in memory as one "
+    "protobuf. fix(), explain() and quantize_weights() read such models lazily; for a float model, "
+    "quantize its weights with quantize_weights() (weight-only int4/int8) instead of quantize()."
+)
+
+
+def refuse_over_2gb(path: os.PathLike | str) -> None:
+    """ModelTooLargeError when the model at ``path`` with its external data is over LARGE_MODEL_BYTES.
+
+    For steps that need the model in memory (bench, profile); reads the graph, not the tensors. An
+    unreadable file passes: the caller's own loading reports it.
+    """
+    try:
+        proto = onnx.load(os.fspath(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not our error to report
+        return
+    external = _external_bytes(proto)
+    if external and proto.ByteSize() + external > LARGE_MODEL_BYTES:
+        raise ModelTooLargeError(_TOO_LARGE.format(path=os.fspath(path)))
+
+
+def graph_only_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a ModelProto without tensor data, whatever its size: what the checker reads.
+
+    In-memory tensors over 1 KiB are serialised as references to an external file that does not
+    exist; external tensors keep their references. The checker (``full_check`` included) and shape
+    inference read no tensor data from a ModelProto, so this checks the graph of a model of any size.
+    ``model`` is left as it was.
+    """
+    swapped = []
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and not isinstance(tensor, ir.ExternalTensor) and tensor.nbytes > 1024:
+            value.const_value = ir.ExternalTensor(
+                _GRAPH_ONLY_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=tensor.name or value.name,
+            )
+            swapped.append((value, tensor))
+    try:
+        return ir.serde.serialize_model(model)
+    finally:
+        for value, tensor in swapped:
+            value.const_value = tensor
+
+
+def check_model(proto: onnx.ModelProto, *, full_check: bool = False) -> None:
+    """``onnx.checker.check_model`` on the graph of ``proto``, its external tensors not read.
+
+    Initializers stored externally (those of :func:`graph_only_proto` or a large model) are checked
+    as graph inputs of their type and shape: the checker then needs neither their data nor their
+    files. Raises what ``onnx.checker.check_model`` raises.
+    """
+    external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)
+        inputs = {value.name for value in copy.graph.input}
+        kept = [t for t in copy.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        copy.graph.input.extend(
+            onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external if t.name not in inputs
+        )
+        del copy.graph.initializer[:]
+        copy.graph.initializer.extend(kept)
+        proto = copy
+    onnx.checker.check_model(proto, full_check=full_check)
+
+
+def _check_large_path(path: str) -> bool:
+    """Check the model at ``path`` without reading its tensors; True when its only fault is node order."""
+    try:
+        onnx.checker.check_model(path)
+    except onnx.checker.ValidationError as error:
+        if _UNSORTED in str(error):
+            return True
+        raise InvalidModelError(f"The input model fails the ONNX checker: {error}") from None
+    return False
+
+
+def _load_lazy(path: os.PathLike | str) -> LoadedModel:
+    """The model at ``path``, its external tensors left on disk (memory-mapped when read)."""
+    path = os.fspath(path)
+    unsorted = _check_large_path(path)
+    try:
+        model = ir.load(path)
+    except Exception as error:  # noqa: BLE001 - onnx-ir raises several types for a broken file
+        raise NotAnOnnxModelError(f"{path!r} is not a readable ONNX model: {error}") from None
+    if not len(model.graph):
+        raise NotAnOnnxModelError("The model has no graph nodes: not an ONNX model or an empty one.")
+    return LoadedModel(model, "proto", _sort(model) if unsorted else [], path=path)
 
 
 def _check_proto(proto: onnx.ModelProto) -> None:
@@ -66,18 +206,23 @@ def _check_proto(proto: onnx.ModelProto) -> None:
             "(onnx.save(..., save_as_external_data=True)) and pass an onnx_ir.Model loaded with ir.load()."
         )
     try:
-        onnx.checker.check_model(proto)
+        check_model(proto)
     except onnx.checker.ValidationError as error:
         raise InvalidModelError(f"The input model fails the ONNX checker: {error}") from None
 
 
+FUSED_WEIGHT_ONLY_OPS = frozenset({"MatMulNBits", "GatherBlockQuantized", "MatMulBnb4"})
+ALREADY_FUSED_NOTE = (
+    "the model has no QuantizeLinear/DequantizeLinear: its weights are already in ONNX Runtime's fused "
+    "weight-only form (com.microsoft.MatMulNBits), which is what fix() would produce; left unchanged"
+)
 _UNSORTED = "topologically sorted"
 SORTED_NOTE = "the input graph was not in topological order (ONNX Runtime sorts on load; the checker refuses): sorted"
 
 
 def _needs_sort(proto: onnx.ModelProto | None) -> bool:
-    """Check ``proto`` (the input serialised; None beyond 2 GB, already validated by onnx-ir); True when
-    its only fault is node order (Quark's XINT8 output: ONNX Runtime sorts on load, the checker refuses)."""
+    """Check ``proto`` (the input serialised; None for a large model, checked by ``_needs_sort_large``); True
+    when its only fault is node order (Quark's XINT8 output: ONNX Runtime sorts on load, the checker refuses)."""
     if proto is None:
         return False
     try:
@@ -95,12 +240,28 @@ def _sort(copy: ir.Model) -> list[str]:
         copy.graph.sort()
     except ValueError as error:  # a cycle: no order exists
         raise InvalidModelError(f"The input graph has a cycle, so no node order is valid: {error}") from None
-    _check_proto(in_memory_proto(copy))
+    proto = in_memory_proto(copy)
+    _check_proto(graph_only_proto(copy) if proto is None else proto)
     return [SORTED_NOTE]
 
 
-def check_quantized(model: ir.Model) -> None:
-    """Refuse models that are not QDQ-quantized or use opsets we do not handle."""
+def _needs_sort_large(model: ir.Model) -> bool:
+    """``_needs_sort`` for a large onnx_ir.Model: checks its graph without the tensor data."""
+    try:
+        _check_proto(graph_only_proto(model))
+        return False
+    except InvalidModelError as error:
+        if _UNSORTED not in str(error):
+            raise
+    return True
+
+
+def check_quantized(model: ir.Model) -> list[str]:
+    """Refuse models that are not QDQ-quantized or use opsets we do not handle.
+
+    A model without Q/DQ whose weights are already in ONNX Runtime's fused weight-only form
+    (``com.microsoft.MatMulNBits``, ...) is accepted with a note: there is nothing to fix in it.
+    """
     opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
     max_opset = onnx.defs.onnx_opset_version()
     if opset is None or opset < MIN_OPSET or opset > max_opset:
@@ -119,12 +280,16 @@ def check_quantized(model: ir.Model) -> None:
         node.op_type in (_qdq.QUANTIZE, _qdq.DEQUANTIZE) and node.domain in (*_qdq.DEFAULT_DOMAINS, "com.microsoft")
         for node in ir.traversal.RecursiveGraphIterator(model.graph)
     )
+    if not has_qdq and any(node.op_type in FUSED_WEIGHT_ONLY_OPS and node.domain == "com.microsoft"
+                           for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+        return [ALREADY_FUSED_NOTE]
     if not has_qdq:
         raise NoQDQError(
             "The model has no QuantizeLinear/DequantizeLinear nodes: it is not QDQ-quantized, so there is "
             "nothing to fix. Quantize it first (onnxruntime.quantization.quantize_static or "
             "kenosis_rewrite.quantize)."
         )
+    return []
 
 
 def external_base_dir(model: ir.Model) -> str | None:
@@ -136,18 +301,16 @@ def external_base_dir(model: ir.Model) -> str | None:
 
 
 def in_memory_proto(model: ir.Model) -> onnx.ModelProto | None:
-    """``model`` as a self-contained ModelProto (external data read in), None beyond 2 GB.
+    """``model`` as a self-contained ModelProto (external data read in), None for a large model.
 
-    The model itself is not touched: external tensors are read into a separate copy.
+    The model itself is not touched: external tensors are read into the proto, one at a time.
     """
+    if is_large(model):
+        return None
     proto = ir.serde.serialize_model(model)
     base_dir = external_base_dir(model)
-    if base_dir is None:
-        return proto
-    copy = ir.serde.deserialize_model(proto)
-    ir.external_data.set_base_dir(copy.graph, base_dir)
-    ir.external_data.load_to_model(copy)
-    proto = ir.serde.serialize_model(copy)
+    if base_dir is not None:
+        onnx.load_external_data_for_model(proto, base_dir)
     try:
         return proto if proto.ByteSize() <= _PROTOBUF_LIMIT else None
     except ValueError:
@@ -162,25 +325,41 @@ def _copy_ir_model(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto | None]:
         base_dir = external_base_dir(model)
         if base_dir is not None:
             ir.external_data.set_base_dir(copy.graph, base_dir)
-        checkable = in_memory_proto(model)
+        # the input's own check: with its data when small, on the graph alone (no copy) when not
+        checkable = None if tensor_bytes(model) > LAZY_LOAD_BYTES else in_memory_proto(model)
     except Exception as error:  # noqa: BLE001 - any serialisation failure means a broken model
         raise InvalidModelError(f"The onnx_ir.Model could not be serialised: {error}") from None
     return copy, checkable
 
 
-def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
-    """A private onnx-ir copy of ``model``; the caller's object is never touched."""
+def _sorted_notes(copy: ir.Model, checkable: onnx.ModelProto | None) -> list[str]:
+    unsorted = _needs_sort_large(copy) if checkable is None else _needs_sort(checkable)
+    return _sort(copy) if unsorted else []
+
+
+def load(model: ModelLike, *, require_qdq: bool = True, lazy: bool = False) -> LoadedModel:
+    """A private onnx-ir copy of ``model``; the caller's object is never touched.
+
+    ``lazy``: a path whose external data exceeds LAZY_LOAD_BYTES keeps its tensors on disk
+    (memory-mapped) for callers that work tensor by tensor (fix, explain, quantize_weights); others
+    get every tensor in memory, and a path over 2 GB is refused with ModelTooLargeError.
+    """
     if isinstance(model, ir.Model):
         copy, checkable = _copy_ir_model(model)
-        notes = _sort(copy) if _needs_sort(checkable) else []
+        notes = _sorted_notes(copy, checkable)
         if require_qdq:
-            check_quantized(copy)
+            notes += check_quantized(copy)
         return LoadedModel(copy, "ir", notes)
     if isinstance(model, onnx.ModelProto):
         proto = model
         returns = "proto"
     elif isinstance(model, (str, os.PathLike)):
-        proto = _load_path(model)
+        proto = _load_path(model, lazy)
+        if proto is None:
+            loaded = _load_lazy(model)
+            if require_qdq:
+                loaded.notes += check_quantized(loaded.model)
+            return loaded
         returns = "proto"
     elif isinstance(model, (bytes, bytearray)):
         try:
@@ -197,11 +376,41 @@ def load(model: ModelLike, *, require_qdq: bool = True) -> LoadedModel:
     copy = ir.serde.deserialize_model(proto)
     notes = _sort(copy) if unsorted else []
     if require_qdq:
-        check_quantized(copy)
+        notes += check_quantized(copy)
     return LoadedModel(copy, returns, notes)
 
 
 def to_output(loaded: LoadedModel) -> onnx.ModelProto | ir.Model:
-    if loaded.returns == "ir":
+    """The result, of the kind the caller gave; an onnx_ir.Model whatever was given when it is large
+    (a ModelProto cannot hold it: save it with :func:`kenosis_rewrite.save`)."""
+    if loaded.returns == "ir" or loaded.large:
         return loaded.model
-    return ir.serde.serialize_model(loaded.model)
+    proto = ir.serde.serialize_model(loaded.model)
+    base_dir = external_base_dir(loaded.model)
+    if base_dir is not None:  # a model from a large path, small again (quantize_weights): read the rest in
+        onnx.load_external_data_for_model(proto, base_dir)
+    return proto
+
+
+def save(model: onnx.ModelProto | ir.Model, path: str | os.PathLike, *, external_data: bool | None = None) -> None:
+    """Write ``model`` (an onnx.ModelProto or onnx_ir.Model) to ``path``.
+
+    With ``external_data`` True, or by default when the model is large or already reads tensors
+    from external files, tensors over 1 KiB go to ``<file name>.data`` next to ``path``, written one
+    at a time (an onnx_ir.Model from a large path streams its unchanged weights from the input's
+    files). The model is not modified.
+    """
+    path = os.fspath(path)
+    model = model if isinstance(model, ir.Model) else ir.serde.deserialize_model(model)
+    if external_data is None:
+        external_data = is_large(model) or external_base_dir(model) is not None
+    if not external_data:
+        ir.save(model, path)
+        return
+    location = os.path.basename(path) + ".data"
+    target = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(path)), location))
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and os.path.realpath(tensor.path) == target:
+            raise KenosisError(f"Saving to {path!r} would overwrite {target!r}, which the model still reads its weights from.")
+    ir.save(model, path, external_data=location, size_threshold_bytes=1024)

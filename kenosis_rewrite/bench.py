@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite import _timing
+from kenosis_rewrite import _io, _timing
 from kenosis_rewrite.fidelity import random_feeds
 from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError
 
@@ -490,6 +490,7 @@ class _Inputs:
 
 
 def _load_user_model(path: str) -> onnx.ModelProto:
+    _io.refuse_over_2gb(path)  # bench runs the model in memory: over 2 GB, a typed refusal before reading it
     try:
         return onnx.load(path)
     except FileNotFoundError:

@@ -5,8 +5,14 @@
     kenosis-rewrite explain MODEL.onnx [--json]
     kenosis-rewrite profile MODEL.onnx [--runs N]
     kenosis-rewrite quantize FP32.onnx OUT.onnx [--calibration DIR|synthetic] [--per-tensor] [--fidelity COS]
+    kenosis-rewrite quantize-weights FP32.onnx OUT.onnx [--bits 4] [--block-size 32] [--asymmetric] [--rtn]
     kenosis-rewrite bench MODEL.onnx|zoo:NAME [--peers nncf,inc,quark] [--threads 1,2] [...]
     kenosis-rewrite peers list | install NAME
+
+fix, quantize, quantize-weights and bench also take a folder or a .txt list of models instead of one
+model (the output is then a folder; bench takes --out DIR): --jobs N worker processes, --force,
+--shard I/N; see :mod:`kenosis_rewrite.batch`. Models over 2 GB are read and written with external
+data (``OUT.onnx.data`` next to ``OUT.onnx``).
 
 Exit codes: 0 success, 1 the input was refused (a KenosisError; the message says why),
 2 bad command line.
@@ -19,19 +25,21 @@ import sys
 
 import onnx
 
+from kenosis_rewrite._io import save
+from kenosis_rewrite.batch import BATCH_COMMANDS, batch_main, is_batch_input
 from kenosis_rewrite.errors import KenosisError
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
 
 
 def _fix(args: argparse.Namespace) -> int:
-    from kenosis_rewrite.pipeline import fix_with_report  # noqa: PLC0415
+    from kenosis_rewrite.pipeline import fix_loaded  # noqa: PLC0415
 
-    fixed, report = fix_with_report(
+    loaded, report, _ = fix_loaded(
         args.input, target=args.target, float_model=args.float_model, optimize_for=args.optimize_for,
-        latency_budget_s=args.latency_budget, threads=args.threads, verify=not args.no_guard,
+        latency_budget_s=args.latency_budget, threads=args.threads, verify=False if args.no_guard else None,
     )
-    onnx.save(fixed, args.output)
+    save(loaded.model, args.output)
     if args.report:
         print(report.summary())
     if args.report_json:
@@ -62,9 +70,21 @@ def _quantize(args: argparse.Namespace) -> int:
         snr_threshold_db=args.snr_threshold, optimize_for=args.optimize_for, return_report=True,
         bias_correction=not args.no_bias_correction,
     )
-    onnx.save(model, args.output)
+    save(model, args.output)
     if args.report:
         print(report.summary())
+    print(f"wrote {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _quantize_weights(args: argparse.Namespace) -> int:
+    from kenosis_rewrite.weights import quantize_weights_loaded  # noqa: PLC0415
+
+    loaded = quantize_weights_loaded(
+        args.input, bits=args.bits, block_size=args.block_size, symmetric=not args.asymmetric, form=args.form,
+        scale_search=not args.rtn, accuracy_level=args.accuracy_level,
+    )
+    save(loaded.model, args.output)
     print(f"wrote {args.output}", file=sys.stderr)
     return EXIT_OK
 
@@ -72,6 +92,9 @@ def _quantize(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from kenosis_rewrite import fidelity, profiler  # noqa: PLC0415
 
+    from kenosis_rewrite import _io  # noqa: PLC0415
+
+    _io.refuse_over_2gb(args.model)  # profiling runs the whole model in memory
     model = onnx.load(args.model) if isinstance(args.model, str) else args.model
     feed = fidelity.random_feeds(model, 1)[0]
     print(profiler.comparison_table(profiler.compare_integer_and_float(model, feed, runs=args.runs, threads=args.threads)))
@@ -114,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     fix.add_argument("--latency-budget", type=float, default=60.0, metavar="S", help="seconds for that search")
     fix.add_argument("--threads", type=int, default=1, help="intra-op threads to measure with (default 1)")
     fix.add_argument("--no-guard", action="store_true",
-                     help="skip the run-time guard (ORT runs of input and output; rules that break their bound are undone)")
+                     help="skip the run-time guard (ORT runs of input and output; rules that break their bound are "
+                          "undone; by default it runs on models up to 256 MiB)")
     fix.add_argument("--report", action="store_true", help="print what changed and what was left alone")
     fix.add_argument("--report-json", metavar="PATH", help="write the report as JSON")
     fix.set_defaults(handler=_fix)
@@ -143,6 +167,16 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--optimize-for", choices=["latency"], default=None)
     quant.add_argument("--report", action="store_true")
     quant.set_defaults(handler=_quantize)
+    weights = commands.add_parser("quantize-weights", help="weight-only int4/int8 MatMul/Gemm weights (MatMulNBits)")
+    weights.add_argument("input", help="float .onnx model (any size; external data is read one weight at a time)")
+    weights.add_argument("output", help="where to write the quantized model")
+    weights.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    weights.add_argument("--block-size", type=int, default=32, help="rows per scale, power of two 16..256 (default 32)")
+    weights.add_argument("--asymmetric", action="store_true", help="unsigned values with a zero point per block")
+    weights.add_argument("--rtn", action="store_true", help="plain absmax round-to-nearest (no per-block scale search)")
+    weights.add_argument("--form", choices=["auto", "qdq", "matmul_nbits"], default="auto")
+    weights.add_argument("--accuracy-level", type=int, default=None, help="MatMulNBits accuracy_level")
+    weights.set_defaults(handler=_quantize_weights)
     prof = commands.add_parser("profile", help="per-layer time: as the model runs now vs in float")
     prof.add_argument("model", help=".onnx model")
     prof.add_argument("--runs", type=int, default=20)
@@ -161,6 +195,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if len(argv) > 1 and argv[0] in BATCH_COMMANDS and is_batch_input(argv[1]):
+            return batch_main(argv[0], argv[1:])
         if argv and argv[0] == "bench":
             return _bench(argv[1:])
         args = _parser().parse_args(argv)

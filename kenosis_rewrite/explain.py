@@ -225,11 +225,14 @@ def _write_model(model: ir.Model, directory: str) -> str:
     return path
 
 
-def optimized_graph(model: ir.Model, directory: str, threads: int = 1) -> onnx.ModelProto:
-    """The graph ORT CPU actually runs for ``model`` at ORT_ENABLE_ALL (weights not loaded)."""
+def optimized_graph(model: ir.Model, directory: str, threads: int = 1, source: str | None = None) -> onnx.ModelProto:
+    """The graph ORT CPU actually runs for ``model`` at ORT_ENABLE_ALL (weights not loaded).
+
+    ``source``: a file holding ``model`` as it is (a lazily loaded path), given to ORT instead of a copy.
+    """
     import onnxruntime as ort
 
-    source = _write_model(model, directory)
+    source = source or _write_model(model, directory)
     optimized = os.path.join(directory, "optimized.onnx")
     try:
         ort.InferenceSession(source, _session_options(optimized, threads), providers=["CPUExecutionProvider"])
@@ -250,12 +253,11 @@ def optimized_graph(model: ir.Model, directory: str, threads: int = 1) -> onnx.M
 
 def _with_shapes(model: ir.Model) -> ir.Model:
     """A copy of ``model`` with ONNX shape inference applied (the model itself when that fails)."""
-    try:
-        proto = ir.serde.serialize_model(model)
+    try:  # inferred on the graph alone (any size), then given the model's own tensors back
+        proto = _io.graph_only_proto(model)
         shaped = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto, data_prop=True))
-        base_dir = _io.external_base_dir(model)
-        if base_dir is not None:  # the copy's external tensors still live next to the caller's model
-            ir.external_data.set_base_dir(shaped.graph, base_dir)
+        for name, value in shaped.graph.initializers.items():
+            value.const_value = model.graph.initializers[name].const_value
         return shaped
     except Exception:  # noqa: BLE001 - shape inference is best effort; MACs fall back to 1 per dim
         return model
@@ -925,9 +927,9 @@ def explain(model: _io.ModelLike, *, threads: int = 1) -> FusionReport:
     """
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    loaded = _io.load(model, require_qdq=False)
+    loaded = _io.load(model, require_qdq=False, lazy=True)
     with tempfile.TemporaryDirectory(prefix="kenosis_explain_") as directory:
-        optimized = optimized_graph(loaded.model, directory, threads)
+        optimized = optimized_graph(loaded.model, directory, threads, source=loaded.path)
         shaped = _with_shapes(loaded.model)
         nodes = list(optimized.graph.node)
         ops, matched = [], {}

@@ -37,10 +37,13 @@ from kenosis_rewrite.report import FixReport, Refusal
 from kenosis_rewrite.targets import TARGETS as _TARGETS
 from kenosis_rewrite.targets import get_target
 
-__all__ = ["TARGETS", "FixPass", "rules", "fix", "fix_with_report"]
+__all__ = ["TARGETS", "FixPass", "rules", "fix", "fix_with_report", "fix_loaded", "GUARD_MAX_BYTES"]
 
 TARGETS = tuple(_TARGETS)
 _MAX_REWRITE_ROUNDS = 8
+# By default the run-time guard runs on models whose tensors add up to at most this: it holds the
+# input, the output and a float reference in ONNX Runtime at once (about 6x the model in memory).
+GUARD_MAX_BYTES = 256 << 20
 _REWRITER_METADATA_PREFIX = "pkg.onnxscript"
 
 
@@ -151,7 +154,7 @@ def _interface(proto: onnx.ModelProto) -> tuple:
 
 def _passes_full_check(proto: onnx.ModelProto) -> str | None:
     try:
-        onnx.checker.check_model(proto, full_check=True)
+        _io.check_model(proto, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         return str(error)
     return None
@@ -169,7 +172,7 @@ def _validate(before: onnx.ModelProto, after: onnx.ModelProto, report: FixReport
     if _passes_full_check(before) is not None:
         # The input itself fails the strict check; hold the output to the same standard as the input.
         report.note("the input model fails onnx.checker full_check; the output was checked without it")
-        onnx.checker.check_model(after)
+        _io.check_model(after)
         return
     raise RewriteError(f"internal error: the rewritten model fails the ONNX checker ({problem}); no model is returned.")
 
@@ -192,7 +195,7 @@ def _fix_once(
     model: _io.ModelLike | _io.LoadedModel, target: str, disabled: frozenset[str], output_ranges: Mapping | None = None,
 ) -> tuple[_io.LoadedModel, FixReport]:
     """FixPass on a fresh private copy of ``model`` (or on ``model`` itself when it is one already)."""
-    loaded = model if isinstance(model, _io.LoadedModel) else _io.load(model)
+    loaded = model if isinstance(model, _io.LoadedModel) else _io.load(model, lazy=True)
     report = FixReport(target=target)
     for note in loaded.notes:
         report.note(note)
@@ -229,8 +232,10 @@ def _guarded_fix(
     rejects are undone (the model is loaded again from the caller's input and rebuilt without them)
     and the report says why."""
     loaded, report = _fix_once(first, target, frozenset(), output_ranges)
+    if guard is None:
+        return loaded, report, None
     after = _io.in_memory_proto(loaded.model)
-    if guard is None or after is None:
+    if after is None:
         return loaded, report, after
     if guard.unavailable:
         report.note(guard.unavailable)
@@ -240,7 +245,7 @@ def _guarded_fix(
         return loaded, report, after
     for disabled in [*candidate_undos(report), None]:
         if disabled is None:  # nothing short of no rewrite at all passes: return the input as it was
-            loaded = _io.load(model)
+            loaded = _io.load(model, lazy=True)
             retry_report, retry_after = FixReport(target=target), _io.in_memory_proto(loaded.model)
             undone = "every rewrite"
         else:
@@ -271,10 +276,40 @@ def fix_with_report(
     optimize_for: str | None = None,
     latency_budget_s: float = 60.0,
     threads: int = 1,
-    verify: bool = True,
+    verify: bool | None = None,
     bias_correction: bool = False,
 ) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
     """:func:`fix`, returning ``(fixed_model, FixReport)``."""
+    loaded, report, after = fix_loaded(
+        model, target=target, float_model=float_model, calibration=calibration, optimize_for=optimize_for,
+        latency_budget_s=latency_budget_s, threads=threads, verify=verify, bias_correction=bias_correction,
+    )
+    result = after if loaded.returns == "proto" and after is not None else _io.to_output(loaded)
+    return result, report
+
+
+def _guard_applies(verify: bool | None, model: ir.Model, notes: list[str]) -> bool:
+    """Whether the run-time guard runs: always with ``verify=True``, by default up to GUARD_MAX_BYTES."""
+    if verify is not None:
+        return verify
+    if _io.tensor_bytes(model) <= GUARD_MAX_BYTES:
+        return True
+    notes.append(f"the run-time guard did not run: the model's tensors exceed {GUARD_MAX_BYTES >> 20} MiB and the guard "
+                "holds the model in ONNX Runtime several times (pass verify=True to run it)")
+    return False
+
+
+def fix_loaded(
+    model: _io.ModelLike, *, target: str = "ort-cpu", float_model: _io.ModelLike | None = None,
+    calibration: Iterable[Mapping[str, np.ndarray]] | None = None, optimize_for: str | None = None,
+    latency_budget_s: float = 60.0, threads: int = 1, verify: bool | None = None, bias_correction: bool = False,
+) -> tuple[_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """:func:`fix_with_report` before the result is converted: ``(loaded, report, output proto or None)``.
+
+    The output proto is None when none was built (a large model, or no step needed the model in
+    memory): the CLI then writes ``loaded.model`` as it is, its unchanged weights streamed from the
+    input's files.
+    """
     _check_target(target)
     if optimize_for not in OPTIMIZE_FOR:
         raise KenosisError(f"optimize_for must be one of {OPTIMIZE_FOR}, got {optimize_for!r}")
@@ -282,17 +317,27 @@ def fix_with_report(
     if bias_correction and (float_model is None or not calibration):
         raise KenosisError("bias_correction=True needs float_model= (the FP32 original) and calibration= feeds: "
                            "the correction is the mean difference between the two on that data")
-    first = _io.load(model)
-    before = _io.in_memory_proto(first.model)
+    first = _io.load(model, lazy=True)
+    if _io.ALREADY_FUSED_NOTE in first.notes:  # MatMulNBits form: what fix() would make; nothing to do
+        report = FixReport(target=target)
+        for note in first.notes:
+            report.note(note)
+        return first, report, None
+    notes: list[str] = []
+    guarded = _guard_applies(verify, first.model, notes)
+    # the whole model in memory as a proto: only for the steps that run it in ONNX Runtime
+    in_memory = guarded or float_model is not None or bool(calibration) or optimize_for is not None
+    before = _io.in_memory_proto(first.model) if in_memory else None
     float_proto = None
     if float_model is not None:
         float_proto = _io.to_output(_io.LoadedModel(_io.load(float_model, require_qdq=False).model, "proto"))
     guard = None
-    if verify and before is not None:
+    if guarded and before is not None:
         guard = Guard(before, calibration or [], float_model=float_proto)
-    notes: list[str] = []
     output_ranges = _output_ranges(before, target, calibration, notes)
     loaded, report, after = _guarded_fix(model, first, target, guard, output_ranges)
+    if in_memory and after is None:
+        after = _io.in_memory_proto(loaded.model)
     for note in notes:
         report.note(note)
     if optimize_for == "latency":
@@ -305,14 +350,18 @@ def fix_with_report(
         after = _io.in_memory_proto(loaded.model)
     if before is not None and after is not None:
         _validate(before, after, report)
-    else:
-        report.note("the model is larger than 2 GB: the output was not run through onnx.checker nor the run-time guard")
+    else:  # checked without the tensor data (see _io.graph_only_proto): any size, no copy of the weights
+        _validate(_io.graph_only_proto(first.model), _io.graph_only_proto(loaded.model), report)
+        if guarded and before is None:
+            report.note("the model is larger than 2 GB: the run-time guard did not run (ONNX Runtime cannot take it "
+                        "as one protobuf); its graph passed onnx.checker (full_check) without the tensor data")
+    if not in_memory:
+        after = None
     if float_proto is not None:
         from kenosis_rewrite import fidelity  # noqa: PLC0415 - only needed with a float model
 
         report.fidelity = fidelity.compare_to_float(float_proto, {"input": before, "fixed": after}, calibration)
-    result = loaded.model if loaded.returns == "ir" else after
-    return result, report
+    return loaded, report, after
 
 
 def fix(
@@ -325,7 +374,7 @@ def fix(
     optimize_for: str | None = None,
     latency_budget_s: float = 60.0,
     threads: int = 1,
-    verify: bool = True,
+    verify: bool | None = None,
     bias_correction: bool = False,
 ):
     """Rewrite a QDQ model so that ONNX Runtime runs more of it in fused integer kernels.
@@ -344,8 +393,9 @@ def fix(
             :mod:`kenosis_rewrite.passes.latency_placement`); never slower than without it.
         latency_budget_s: time budget of that search (decisions are cached per model and machine).
         threads: intra-op threads the latency search measures with (match your deployment).
-        verify: the run-time guard (:mod:`kenosis_rewrite.guard`, on by default for models under
-            2 GB): the output must run wherever the input ran, with the same output shapes, equal
+        verify: the run-time guard (:mod:`kenosis_rewrite.guard`; by default on for models whose
+            tensors add up to at most :data:`GUARD_MAX_BYTES` (256 MiB), ``True`` forces it up to
+            2 GB, ``False`` turns it off): the output must run wherever the input ran, with the same output shapes, equal
             the input bit for bit where every change claims exactness, and lose at most 0.005
             cosine against the reference (FP32 when given, else the input without its roundings)
             on ``calibration`` or random feeds; rules that break this are undone and reported.
@@ -355,7 +405,11 @@ def fix(
 
     Returns:
         The fixed model, of the kind given: an ``onnx_ir.Model`` for an ``onnx_ir.Model``,
-        otherwise an ``onnx.ModelProto`` (a path in gives a ModelProto out).
+        otherwise an ``onnx.ModelProto`` (a path in gives a ModelProto out), except that a model
+        over 2 GB comes back as an ``onnx_ir.Model`` (save it with :func:`kenosis_rewrite.save`).
+        A path whose external data exceeds 256 MiB is read lazily: its weights stay on disk,
+        memory-mapped, and only the tensors a rule changes are held in memory. A model already in
+        ``MatMulNBits`` form (no Q/DQ) comes back unchanged, with a note in the report.
 
     Raises:
         KenosisError: a subclass naming what is wrong with the input (not ONNX, no Q/DQ,

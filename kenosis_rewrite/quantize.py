@@ -39,7 +39,7 @@ from onnxruntime.quantization import QuantFormat, QuantType
 from kenosis_rewrite import _io, calibration as calib
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
-from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.errors import KenosisError, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
@@ -235,6 +235,12 @@ def quantize(
         The model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
     """
     loaded = _io.load(float_model, require_qdq=False)
+    if loaded.large:
+        raise ModelTooLargeError(
+            "quantize() calibrates activations by running the whole model in ONNX Runtime and quantizes it "
+            "with quantize_static in memory, which a model over 2 GB does not fit. Quantize its weights "
+            "with quantize_weights() (weight-only int4/int8, one weight at a time), then fix() that."
+        )
     original = ir.serde.serialize_model(loaded.model)
     report = FixReport(target=target)
     feeds, source = _feeds(original, calibration, calibration_samples, seed)

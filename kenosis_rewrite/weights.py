@@ -25,7 +25,13 @@ Quantization: round-to-nearest, ties to even (``np.rint``, as ONNX QuantizeLinea
 Asymmetric: uint4 (uint8) with a per-block zero point. The scale of each block is chosen by a small
 grid search over clipping ratios that minimises the block's squared error (``scale_search=True``);
 plain absmax RTN loses about 1.5 dB SQNR per layer more, which over a stack of layers drops the
-output cosine below 0.99 (shared research, ort-cpu-facts.md, appendix).
+output cosine below 0.99 (shared research, ort-cpu-facts.md, appendix). The numerics are in
+:mod:`kenosis_rewrite.blockwise`.
+
+Memory: a path to a model over 256 MiB of external data is read lazily (onnx-ir, memory-mapped);
+each weight is read, quantized and unmapped in turn, and the 4-bit output is held packed two
+values per byte, so the peak is about the output plus one weight. A model over 2 GB never becomes
+one protobuf (see ``Returns`` below).
 
 Opsets: block quantization and int4 need DequantizeLinear-21. ``form`` picks the output:
 
@@ -42,6 +48,7 @@ The input model is never modified; the output passes ``onnx.checker`` with ``ful
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterable
 
@@ -51,7 +58,8 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
 from kenosis_rewrite import _io, _qdq
-from kenosis_rewrite.errors import KenosisError, RewriteError
+from kenosis_rewrite.blockwise import BlockQuantized, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
+from kenosis_rewrite.errors import KenosisError, ModelTooLargeError, RewriteError
 
 __all__ = [
     "BlockQuantized", "quantize_weights", "quantize_blockwise", "dequantize_blockwise",
@@ -63,140 +71,6 @@ QDQ_MIN_OPSET = 21
 QDQ_MIN_IR_VERSION = 10
 MSFT_DOMAIN = "com.microsoft"
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-_SEARCH_RATIOS = np.linspace(1.0, 0.55, 19)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockQuantized:
-    """A weight ``W[K, N]`` quantized in blocks of ``block_size`` rows (ONNX DQ axis 0)."""
-
-    data: np.ndarray  # [K, N] integers (int8 container for 4-bit values)
-    scale: np.ndarray  # [ceil(K / block_size), N], the weight's float type
-    zero_point: np.ndarray | None  # same shape as scale, or None (symmetric)
-    block_size: int
-    dtype: ir.DataType  # INT4, UINT4, INT8 or UINT8
-
-    @property
-    def bits(self) -> int:
-        return 4 if self.dtype in (ir.DataType.INT4, ir.DataType.UINT4) else 8
-
-
-def _quantized_type(bits: int, symmetric: bool) -> ir.DataType:
-    if bits == 4:
-        return ir.DataType.INT4 if symmetric else ir.DataType.UINT4
-    if bits == 8:
-        return ir.DataType.INT8 if symmetric else ir.DataType.UINT8
-    raise KenosisError(f"bits must be 4 or 8, got {bits!r}")
-
-
-def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
-    """``weight[K, N]`` as float32 ``[n_blocks, block_size, N]``, the last block zero-padded."""
-    k, n = weight.shape
-    n_blocks = -(-k // block_size)
-    padded = np.zeros((n_blocks * block_size, n), np.float32)
-    padded[:k] = weight
-    return padded.reshape(n_blocks, block_size, n)
-
-
-def _round_scale(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Scales as stored in the model (``dtype``), back in float32 for the arithmetic."""
-    return scale.astype(dtype).astype(np.float32)
-
-
-def _quantize_with(blocks, scale, zero_point, qmin, qmax):
-    safe = np.where(scale == 0, 1.0, scale)[:, None, :]
-    q = np.clip(np.rint(blocks / safe) + zero_point[:, None, :], qmin, qmax)
-    return np.where(scale[:, None, :] == 0, zero_point[:, None, :], q)
-
-
-def _candidate(blocks, ratio, symmetric, qmin, qmax, scale_dtype):
-    """Scale and zero point of every block for one clipping ratio."""
-    if symmetric:
-        amax = np.abs(blocks).max(axis=1) * ratio
-        scale = _round_scale(amax / qmax, scale_dtype)
-        return scale, np.zeros_like(scale)
-    lo = np.minimum(blocks.min(axis=1), 0) * ratio
-    hi = np.maximum(blocks.max(axis=1), 0) * ratio
-    scale = _round_scale((hi - lo) / (qmax - qmin), scale_dtype)
-    zero_point = np.clip(np.rint(qmin - lo / np.where(scale == 0, 1, scale)), qmin, qmax)
-    return scale, zero_point
-
-
-def quantize_blockwise(
-    weight: np.ndarray, *, bits: int = 4, block_size: int = 32, symmetric: bool = True,
-    scale_search: bool = True,
-) -> BlockQuantized:
-    """Round-to-nearest-even block quantization of ``weight[K, N]`` along K (axis 0).
-
-    The scale type is the weight's type (float32 or float16). With ``scale_search`` every block
-    gets the clipping ratio (of 19 between 1.0 and 0.55) with the smallest squared error.
-    """
-    if weight.ndim != 2:
-        raise KenosisError(f"weights must be 2-D, got shape {weight.shape}")
-    scale_dtype = weight.dtype if weight.dtype in (np.float16, np.float32) else np.float32
-    dtype = _quantized_type(bits, symmetric)
-    qmin, qmax = _qdq.INTEGER_RANGES[dtype]
-    blocks = _blocks(weight.astype(np.float32), block_size)
-    best = None
-    for ratio in (_SEARCH_RATIOS if scale_search else _SEARCH_RATIOS[:1]):
-        scale, zero_point = _candidate(blocks, ratio, symmetric, qmin, qmax, scale_dtype)
-        q = _quantize_with(blocks, scale, zero_point, qmin, qmax)
-        error = (((q - zero_point[:, None, :]) * scale[:, None, :] - blocks) ** 2).sum(axis=1)
-        if best is None:
-            best = [scale, zero_point, q, error]
-            continue
-        better = error < best[3]
-        best[0] = np.where(better, scale, best[0])
-        best[1] = np.where(better, zero_point, best[1])
-        best[2] = np.where(better[:, None, :], q, best[2])
-        best[3] = np.minimum(error, best[3])
-    scale, zero_point, q, _ = best
-    data = q.reshape(-1, weight.shape[1])[: weight.shape[0]].astype(np.int16)
-    return BlockQuantized(
-        data=data.astype(np.uint8 if qmin == 0 else np.int8),
-        scale=scale.astype(scale_dtype),
-        zero_point=None if symmetric else zero_point.astype(np.uint8),
-        block_size=block_size,
-        dtype=dtype,
-    )
-
-
-def dequantize_blockwise(quantized: BlockQuantized) -> np.ndarray:
-    """``(data - zero_point) * scale`` in float32, scales repeated over their blocks (ONNX DQ)."""
-    k = quantized.data.shape[0]
-    scale = np.repeat(quantized.scale.astype(np.float32), quantized.block_size, axis=0)[:k]
-    zero_point = 0.0
-    if quantized.zero_point is not None:
-        zero_point = np.repeat(quantized.zero_point.astype(np.float32), quantized.block_size, axis=0)[:k]
-    return (quantized.data.astype(np.float32) - zero_point) * scale
-
-
-def pack_matmul_nbits(quantized: BlockQuantized) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """``(B, scales, zero_points)`` inputs of ``com.microsoft.MatMulNBits`` for ``quantized``.
-
-    B is uint8 ``[N, n_blocks, block_size * bits / 8]``: column-major blocks of unsigned values,
-    two 4-bit values per byte, low nibble first. Signed values are stored with the offset
-    ``2**(bits-1)``, which is MatMulNBits' default zero point, so symmetric weights need none.
-    """
-    k, n = quantized.data.shape
-    offset = 0 if quantized.dtype in (ir.DataType.UINT4, ir.DataType.UINT8) else 1 << (quantized.bits - 1)
-    unsigned = quantized.data.astype(np.int16) + offset
-    n_blocks = quantized.scale.shape[0]
-    pad_value = offset if quantized.zero_point is None else 0
-    padded = np.full((n_blocks * quantized.block_size, n), pad_value, np.int16)
-    padded[:k] = unsigned
-    columns = padded.T.reshape(n, n_blocks, quantized.block_size).astype(np.uint8)
-    if quantized.bits == 4:
-        columns = columns[..., 0::2] | (columns[..., 1::2] << 4)
-    scales = np.ascontiguousarray(quantized.scale.T).reshape(-1)
-    if quantized.zero_point is None:
-        return np.ascontiguousarray(columns), scales, None
-    zero_points = quantized.zero_point.T.astype(np.uint8)  # [N, n_blocks]
-    if quantized.bits == 4:
-        if n_blocks % 2:
-            zero_points = np.concatenate([zero_points, np.zeros((n, 1), np.uint8)], axis=1)
-        zero_points = zero_points[:, 0::2] | (zero_points[:, 1::2] << 4)
-    return np.ascontiguousarray(columns), scales, np.ascontiguousarray(zero_points).reshape(-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,6 +128,18 @@ def _candidate_or_none(node: ir.Node, op_types, exclude, block_size: int) -> _Ca
     return _Candidate(node, np.ascontiguousarray(weight), bias, beta)
 
 
+def _packed_4bit(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.PackedTensor:
+    """4-bit ``values`` (already in range) held two per byte, low nibble first, as ONNX stores them."""
+    lo, hi = _qdq.INTEGER_RANGES[dtype]
+    if values.size and (values.min() < lo or values.max() > hi):
+        raise ValueError(f"values out of range for {dtype.name}")
+    flat = values.reshape(-1).view(np.uint8) if values.dtype in (np.int8, np.uint8) else values.reshape(-1).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    packed = (flat[0::2] & 0x0F) | ((flat[1::2] & 0x0F) << 4)
+    return ir.PackedTensor(packed, dtype, shape=values.shape, name=name)
+
+
 class _Builder:
     """Creates initializers and nodes of one graph with fresh names."""
 
@@ -263,7 +149,9 @@ class _Builder:
 
     def initializer(self, array: np.ndarray, base: str, dtype: ir.DataType | None = None) -> ir.Value:
         name = self.names.fresh(base)
-        if dtype is not None and dtype in _qdq.INTEGER_RANGES and dtype not in _qdq.EIGHT_BIT:
+        if dtype in (ir.DataType.INT4, ir.DataType.UINT4):
+            tensor = _packed_4bit(array, dtype, name)
+        elif dtype is not None and dtype in _qdq.INTEGER_RANGES and dtype not in _qdq.EIGHT_BIT:
             tensor = _qdq.integer_tensor(array, dtype, name)
         else:
             tensor = ir.tensor(array if dtype is None else array.astype(dtype.numpy()), name=name)
@@ -340,6 +228,12 @@ def _resolve_form(form: str, opset: int) -> str:
 
 def _upgrade_opset(model: ir.Model) -> ir.Model:
     """``model`` converted to opset 21 by onnx.version_converter (IR version >= 10)."""
+    if _io.is_large(model):
+        raise ModelTooLargeError(
+            f"form='qdq' needs opset {QDQ_MIN_OPSET}, and a model over 2 GB cannot go through onnx.version_converter "
+            f"(it holds the whole model in one protobuf). Use form='matmul_nbits' (works at any opset), or "
+            f"convert the model to opset {QDQ_MIN_OPSET} first."
+        )
     proto = ir.serde.serialize_model(model)
     try:
         converted = onnx.version_converter.convert_version(proto, QDQ_MIN_OPSET)
@@ -352,11 +246,26 @@ def _upgrade_opset(model: ir.Model) -> ir.Model:
     return ir.serde.deserialize_model(converted)
 
 
+def _release(value: ir.Value) -> None:
+    """Unmap a weight read from an external file (it is read again only if something asks for it)."""
+    if isinstance(value.const_value, ir.ExternalTensor):
+        try:
+            value.const_value.release()
+        except BufferError:  # something still views the mapping: it is unmapped when that goes
+            pass
+
+
 def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, exclude, form,
                     scale_search, accuracy_level) -> int:
+    """Quantize and rewrite the eligible MatMul/Gemm nodes of ``model`` one weight at a time.
+
+    Only one float weight is held in memory at a time (external weights are unmapped after use); a
+    weight read by several MatMuls is quantized once and kept until its last reader is rewritten.
+    """
     graph = model.graph
     builder = _Builder(graph)
     cache: dict[tuple, BlockQuantized] = {}
+    readers = collections.Counter(_weight_key(node) for node in graph if len(node.inputs) > 1)
     count = 0
     for node in list(graph):
         candidate = _candidate_or_none(node, op_types, exclude, block_size)
@@ -364,11 +273,20 @@ def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, e
             continue
         key = (_weight_key(node), node.op_type, node.attributes.get_int("transB", 0),
                node.attributes.get_float("alpha", 1.0))
-        if key not in cache or not key[0]:
-            cache[key] = quantize_blockwise(
+        quantized = cache.get(key) if key[0] else None
+        if quantized is None:
+            quantized = quantize_blockwise(
                 candidate.weight, bits=bits, block_size=block_size, symmetric=symmetric, scale_search=scale_search
             )
-        _rewrite(builder, candidate, cache[key], form, accuracy_level)
+            if key[0] and readers[key[0]] > 1:
+                cache[key] = quantized
+        weight_value = node.inputs[1]
+        _rewrite(builder, candidate, quantized, form, accuracy_level)
+        del candidate
+        _release(weight_value)
+        readers[key[0]] -= 1
+        if not readers[key[0]]:
+            cache.pop(key, None)
         count += 1
     if form == "matmul_nbits" and count:
         model.opset_imports.setdefault(MSFT_DOMAIN, 1)
@@ -413,13 +331,25 @@ def quantize_weights(
         accuracy_level: MatMulNBits ``accuracy_level`` attribute (form ``"matmul_nbits"`` only).
 
     Returns:
-        The quantized model, of the kind given (a path gives a ModelProto).
+        The quantized model, of the kind given (a path gives a ModelProto), or an onnx_ir.Model when
+        the output is over 2 GB (save it with :func:`kenosis_rewrite.save`). A path whose external
+        data exceeds 256 MiB is read one weight at a time and never held whole in memory.
 
     Raises:
         KenosisError: bad arguments, or a model that cannot be converted to opset 21 for ``"qdq"``.
     """
+    return _io.to_output(quantize_weights_loaded(
+        model, bits=bits, block_size=block_size, symmetric=symmetric, op_types=op_types, exclude=exclude,
+        form=form, scale_search=scale_search, accuracy_level=accuracy_level,
+    ))
+
+
+def quantize_weights_loaded(model: _io.ModelLike, *, bits: int = 4, block_size: int = 32, symmetric: bool = True,
+                            op_types: Iterable[str] = ("MatMul", "Gemm"), exclude=(), form: str = "auto",
+                            scale_search: bool = True, accuracy_level: int | None = None) -> _io.LoadedModel:
+    """:func:`quantize_weights` without the conversion of the result (the CLI saves the onnx-ir model as it is)."""
     _check_arguments(bits, block_size)
-    loaded = _io.load(model, require_qdq=False)
+    loaded = _io.load(model, require_qdq=False, lazy=True)
     resolved = _resolve_form(form, _qdq.default_opset(loaded.model))
     if resolved == "qdq" and _qdq.default_opset(loaded.model) < QDQ_MIN_OPSET:
         loaded = _io.LoadedModel(_upgrade_opset(loaded.model), loaded.returns)
@@ -429,13 +359,11 @@ def quantize_weights(
         loaded.model, bits=bits, block_size=block_size, symmetric=symmetric, op_types=tuple(op_types),
         exclude=exclude, form=resolved, scale_search=scale_search, accuracy_level=accuracy_level,
     )
-    proto = _io.in_memory_proto(loaded.model)
-    if proto is not None:
-        try:
-            onnx.checker.check_model(proto, full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-            raise RewriteError(f"internal error: the weight-quantized model fails the ONNX checker ({error})") from None
-    return _io.to_output(loaded)
+    try:  # the graph without its tensor data: the check reads no data, and the model may be any size
+        _io.check_model(_io.graph_only_proto(loaded.model), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        raise RewriteError(f"internal error: the weight-quantized model fails the ONNX checker ({error})") from None
+    return loaded
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ class WeightDQ:
     """The constants and layout of a DequantizeLinear of a constant weight."""
 
     node: ir.Node
-    data: np.ndarray  # as stored (ml_dtypes int4/uint4 for 4-bit)
+    shape: tuple[int, ...]  # of the quantized data
     scale: np.ndarray
     zero_point: np.ndarray | None
     dtype: ir.DataType
@@ -88,12 +88,18 @@ class WeightDQ:
     block_size: int
 
     @property
+    def data(self) -> np.ndarray:
+        """The quantized data as stored (ml_dtypes int4/uint4 for 4-bit), read only when a rewrite needs it:
+        checks look at ``shape``, so matching a large model does not read (or unpack) its weights."""
+        return _qdq.const_array(self.node.inputs[0])
+
+    @property
     def scale_type(self) -> ir.DataType:
         return _float_dtype(self.scale)
 
     def describe(self) -> str:
         layout = f"blocked axis {self.axis} x{self.block_size}" if self.block_size else f"axis {self.axis}"
-        return f"{self.dtype.name.lower()} {list(self.data.shape)} {layout}"
+        return f"{self.dtype.name.lower()} {list(self.shape)} {layout}"
 
 
 def _constant(value: ir.Value | None) -> np.ndarray | None:
@@ -107,15 +113,18 @@ def weight_dq(value: ir.Value | None) -> WeightDQ | str:
     node = value.producer() if value is not None else None
     if not _qdq.is_dequantize(node):
         return "the weight does not come from a DequantizeLinear"
-    data, scale = _constant(node.inputs[0]), _constant(node.inputs[1])
+    data = None if node.inputs[0] is None or node.inputs[0].is_graph_input() else \
+        ir.convenience.get_const_tensor(node.inputs[0])
+    scale = _constant(node.inputs[1])
     zp_value = node.inputs[2] if len(node.inputs) > 2 else None
     zero_point = _constant(zp_value)
     if data is None or scale is None or (zp_value is not None and zero_point is None):
         return "the DequantizeLinear's data, scale or zero point is not a constant"
     dtype = node.inputs[0].dtype or ir.DataType.UNDEFINED
+    shape = tuple(int(d) for d in data.shape)
     axis = node.attributes.get_int("axis", 1)
-    axis = axis + data.ndim if axis < 0 else axis
-    return WeightDQ(node, data, scale, zero_point, dtype, axis, node.attributes.get_int("block_size", 0))
+    axis = axis + len(shape) if axis < 0 else axis
+    return WeightDQ(node, shape, scale, zero_point, dtype, axis, node.attributes.get_int("block_size", 0))
 
 
 def nbits_type_reason(dq: WeightDQ) -> str | None:
@@ -362,7 +371,7 @@ class FoldWeightTranspose(_NBitsRule):
         if reason is not None:
             return self._refuse(where, reason)
         perm = moved.producer().attributes.get_ints("perm", None)
-        if dq.data.ndim != 2 or (perm is not None and list(perm) != [1, 0]):
+        if len(dq.shape) != 2 or (perm is not None and list(perm) != [1, 0]):
             return self._refuse(where, "only the transpose of a 2-D weight is folded")
         return self._ok(where)
 
@@ -388,7 +397,7 @@ class FoldWeightReshape(_NBitsRule):
         target = _constant(shape)
         if target is None:
             return "the Reshape's shape is not a constant"
-        source = dq.data.shape
+        source = dq.shape
         try:
             result = np.empty(source, np.int8).reshape([int(v) if v != 0 else source[i] for i, v in enumerate(target)])
         except (ValueError, IndexError):
@@ -418,7 +427,7 @@ class FoldWeightReshape(_NBitsRule):
         dq = weight_dq(weight)
         kept = self._target(dq, shape)
         def squeeze(array):
-            if array is None or array.ndim != dq.data.ndim:
+            if array is None or array.ndim != len(dq.shape):
                 return None if array is None else array.copy()
             return array.reshape([array.shape[i] for i in kept])
         axis = kept.index(dq.axis) if dq.axis in kept else 1
@@ -459,7 +468,7 @@ class ReblockWeightDequantize(_NBitsRule):
             return MatchResult().fail("not a blocked DQ with an unfusible block size")
         where = _where(out.producer(), "MatMul")
         reason = nbits_type_reason(dq)
-        if reason is None and (dq.data.ndim != 2 or dq.axis != 0):
+        if reason is None and (len(dq.shape) != 2 or dq.axis != 0):
             reason = f"blocks along axis {dq.axis} of the weight, not along K (axis 0): MatMulNBits cannot take them"
         if reason is None and fusible_divisor(dq.block_size) is None:
             reason = f"block_size {dq.block_size} has no power-of-two divisor >= 16: exact re-blocking is impossible"
@@ -468,7 +477,7 @@ class ReblockWeightDequantize(_NBitsRule):
     def rewrite(self, op, a, weight, out, **_):
         dq = weight_dq(weight)
         block = fusible_divisor(dq.block_size)
-        k = dq.data.shape[0]
+        k = dq.shape[0]
         n_blocks = -(-k // block)
         def repeat(array):
             if array is None:
@@ -512,7 +521,7 @@ class GemmWeightToMatMul(_NBitsRule):
         bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
         if reason is None and bias is not None and gemm.attributes.get_float("beta", 1.0) != 1.0 and _constant(bias) is None:
             reason = "beta != 1 with a non-constant C"
-        if reason is None and dq.data.ndim != 2:
+        if reason is None and len(dq.shape) != 2:
             reason = "the weight is not 2-D"
         return self._refuse(where, reason) if reason is not None else self._ok(where)
 
