@@ -27,7 +27,10 @@ Why: ORT runs ``DQ -> MatMul`` with no Q after it as ``MatMulIntegerToFloat`` (t
 quantization plan of transformers, NNCF-style placements), but its level-1 ``MatMulAddFusion``
 runs first and, where the shapes are static, turns ``MatMul -> Add(bias)`` into a Gemm with a
 float bias, which no QDQ selector accepts: the GEMM runs in float on dequantized tensors (MiniLM-L3
-with 128 pinned tokens: 12 of 18 weight MatMuls). With the Sum, the MatMul stays integer. Only
+with 128 pinned tokens: 12 of 18 weight MatMuls). With the Sum, the MatMul stays integer. The same
+holds for weight-only MatMuls with blocked weights (``x -> MatMul(., DQ(w; block_size)) -> Add``),
+which ORT otherwise fuses into a float ``FusedGemm`` instead of ``MatMulNBits`` where the
+activations are 2-D (an MLP on ``x[1, h]``: 2 of 3 layers ran float). Only
 where the MatMul's output shape is static (the fusion needs it): elsewhere the Add stays, since
 ORT's Sum kernel is the slower one on two threads.
 
@@ -120,15 +123,20 @@ class ResidualAddAsSum(_AddAsSum):
 
 
 def _integer_float_output_matmul(value: ir.Value) -> ir.Node | None:
-    """The MatMul writing ``value`` when both its inputs are dequantized, its weight a constant, and
-    ``value`` has no other reader (what ORT runs as MatMulIntegerToFloat)."""
+    """The MatMul writing ``value`` when its weight is a dequantized constant, its data input
+    dequantized too (what ORT runs as MatMulIntegerToFloat) or its weight blocked (weight-only: what
+    ORT runs as MatMulNBits), and ``value`` has no other reader."""
     node = value.producer()
     if node is None or node.op_type != "MatMul" or node.domain not in _qdq.DEFAULT_DOMAINS or len(value.uses()) != 1:
         return None
     x, w = (v.producer() if v is not None else None for v in node.inputs[:2])
-    if not (_qdq.is_dequantize(x) and _qdq.is_dequantize(w)) or _qdq.const_array(w.inputs[0]) is None:
+    if not _qdq.is_dequantize(w) or _qdq.const_array(w.inputs[0]) is None:
         return None
-    return node
+    if _qdq.is_dequantize(x):
+        return node
+    # weight-only with blocked weights: what ORT fuses into MatMulNBits (float activations)
+    params = _qdq.quant_params(w)
+    return node if params is not None and params.block_size else None
 
 
 class MatMulBiasAsSum(_AddAsSum):
@@ -141,8 +149,15 @@ class MatMulBiasAsSum(_AddAsSum):
         product, bias = a, b
         if _qdq.const_array(bias) is None:
             return "the other input is not a constant bias"
-        if _integer_float_output_matmul(product) is None:
+        matmul = _integer_float_output_matmul(product)
+        if matmul is None:
             return "not the float output of a MatMul with dequantized inputs and weight"
+        if not _qdq.is_dequantize(matmul.inputs[0].producer()):
+            # weight-only: ORT's MatMulAddFusion takes 2-D products only; elsewhere ORT fuses the
+            # bias into MatMulNBits itself, and a Sum would keep it out
+            if product.shape is None or product.shape.rank() != 2:
+                return "not a known 2-D product: ORT's MatMulAddFusion does not fire"
+            return None
         if product.shape is None or not all(isinstance(dim, int) for dim in product.shape):
             # MatMulAddFusion needs static shapes; where they are symbolic the Add stays (ORT's
             # Sum kernel is slower than Add on two threads: 54 vs 39 us at [1,512,768])

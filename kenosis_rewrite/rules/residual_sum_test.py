@@ -7,7 +7,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from kenosis_rewrite import _testing
+from kenosis_rewrite import _testing, fidelity
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.residual_sum import MATMUL_BIAS_RULE_NAME, RULE_NAME, ResidualAddAsSum, residual_sum_rules
 
@@ -140,8 +140,47 @@ def test_integer_matmul_bias_becomes_sum_and_the_matmul_stays_integer():
                                       _testing.outputs(proto, feed, optimized=False)[0])
 
 
+# weight-only int4 MatMul -> bias -> Relu on 2-D activations: ORT would make a float FusedGemm, not MatMulNBits
+def _weight_only_model() -> onnx.ModelProto:
+    """Two int4 weight-only layers MatMul -> bias Add -> Relu on [1, 64]: ORT fuses the second
+    into a float FusedGemm, not MatMulNBits."""
+    rng = np.random.default_rng(1)
+    make = onnx.helper.make_node
+    nodes, inits, x = [], [], "x"
+    for i in range(2):
+        inits += [onnx.helper.make_tensor(f"w{i}", onnx.TensorProto.INT4, [64, 64], rng.integers(-8, 8, 64 * 64).tolist()),
+                  onnx.numpy_helper.from_array(rng.uniform(0.01, 0.05, (4, 64)).astype(np.float32), f"s{i}"),
+                  onnx.numpy_helper.from_array((0.1 * rng.standard_normal(64)).astype(np.float32), f"b{i}")]
+        nodes += [make("DequantizeLinear", [f"w{i}", f"s{i}"], [f"d{i}"], axis=0, block_size=16),
+                  make("MatMul", [x, f"d{i}"], [f"m{i}"]), make("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+                  make("Relu", [f"a{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    vi = onnx.helper.make_tensor_value_info
+    graph = onnx.helper.make_graph(nodes, "g", [vi("x", onnx.TensorProto.FLOAT, [1, 64])],
+                                   [vi(x, onnx.TensorProto.FLOAT, [1, 64])], inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)], ir_version=10)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_weight_only_blocked_matmul_bias_becomes_sum_and_fuses_to_matmul_nbits():
+    proto = _weight_only_model()
+    before = _testing.ort_optimized_op_types(proto)
+    assert before["FusedGemm"] == 1  # ORT's Gemm fusion came first on one of the two
+    fixed, report, count = _apply(proto)
+    assert count == 2 and {c.rule for c in report.changes} == {MATMUL_BIAS_RULE_NAME}
+    after = _testing.ort_optimized_op_types(fixed)
+    assert after["MatMulNBits"] == 2 and not (after["Gemm"] or after["FusedGemm"])
+    for seed in range(3):
+        feed = {"x": np.random.default_rng(seed).standard_normal((1, 64)).astype(np.float32)}
+        np.testing.assert_array_equal(_testing.outputs(fixed, feed, optimized=False)[0],
+                                      _testing.outputs(proto, feed, optimized=False)[0])
+        # under ORT, MatMulNBits computes at its QDQ fusion's default accuracy level 4 (int8
+        # activations per block), where the input ran a float FusedGemm: close, not equal
+        assert fidelity.cosine(_testing.outputs(fixed, feed)[0], _testing.outputs(proto, feed)[0]) > 0.999
+
+
 @pytest.mark.parametrize("source", [
-    INTEGER_MATMUL.replace("m = MatMul(dx, dw)", "m = MatMul(x, dw)"),  # a float MatMul
+    INTEGER_MATMUL.replace("m = MatMul(dx, dw)", "m = MatMul(x, dw)"),  # a float MatMul, per-channel weight
     # symbolic shapes: MatMulAddFusion does not fire, and the Add (faster than Sum on 2 threads) stays
     INTEGER_MATMUL.replace("float[1,16,32] x) => (float[1,16,8] y)", 'float[1,"S",32] x) => (float[1,"S",8] y)'),
 ])
