@@ -22,8 +22,7 @@ whose DQ feeds anything but the activation (and, for SiLU, its Mul).
 
 from __future__ import annotations
 
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport

@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RULE_NAME_TAG, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import RULE_NAME_TAG, MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport

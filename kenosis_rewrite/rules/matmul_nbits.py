@@ -51,8 +51,7 @@ import dataclasses
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
