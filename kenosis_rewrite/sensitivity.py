@@ -25,9 +25,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
-from kenosis_rewrite import _io, _qdq, fidelity
+from kenosis_rewrite import _io, _ort, _qdq, fidelity
 from kenosis_rewrite.bias_correction import first_input_readers, float_counterpart
 from kenosis_rewrite.passes.dequantize import dequantize_constants, remove_qdq_pair
 from kenosis_rewrite.report import FixReport
@@ -74,11 +73,7 @@ def _with_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelPro
 
 
 def _run_all(proto: onnx.ModelProto, names: list[str], feeds) -> dict[str, list[np.ndarray]]:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(_with_outputs(proto, names).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+    session = _ort.session(_with_outputs(proto, names), _ort.options(None, level="none"))
     available = {o.name for o in session.get_outputs()}
     wanted = [n for n in names if n in available]
     results: dict[str, list[np.ndarray]] = {n: [] for n in wanted}

@@ -45,7 +45,7 @@ import onnx
 from onnx import numpy_helper
 
 from kenosis_rewrite.calibration.collect import CalibrationError, _float_proto, _graph_inputs
-from kenosis_rewrite import _io
+from kenosis_rewrite import _io, _ort
 
 __all__ = ["InputSpec", "infer_inputs", "synthetic_feeds", "iter_synthetic_feeds", "natural_image",
            "CANDIDATE_PREPROCESSING", "describe"]
@@ -192,7 +192,6 @@ def _affine_apply(graph: _Graph, affine: list, x: np.ndarray) -> np.ndarray:
 
 def _conv_response(graph: _Graph, conv: onnx.NodeProto, x: np.ndarray) -> np.ndarray | None:
     """First-Conv output (without bias) for NCHW ``x``, via a one-node ORT model."""
-    import onnxruntime as ort
 
     weight = graph.constant(conv.input[1])
     if weight is None or weight.ndim != 4:
@@ -207,7 +206,7 @@ def _conv_response(graph: _Graph, conv: onnx.NodeProto, x: np.ndarray) -> np.nda
     model = onnx.helper.make_model(graph_proto, opset_imports=[onnx.helper.make_opsetid("", 17)])
     model.ir_version = 8
     try:
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = _ort.session(model, _ort.options(None))
         return session.run(None, {"x": x.astype(np.float32)})[0]
     except Exception:  # noqa: BLE001 - a heuristic: no answer rather than an error
         return None
@@ -301,7 +300,6 @@ def _probe_through_model(graph: _Graph, value, shape: tuple[int, ...], layout: s
     """Score candidate preprocessings by running the model up to the first Conv (whatever lies before
     it: Focus slicing, in-graph normalisation) and comparing its output with the statistics it was
     trained for (the following BatchNormalization, or the Conv bias of a folded one)."""
-    import onnxruntime as ort
 
     bias = graph.constant(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else None
     bn = _batchnorm_after(graph, conv)
@@ -312,9 +310,7 @@ def _probe_through_model(graph: _Graph, value, shape: tuple[int, ...], layout: s
     del model.graph.output[:]
     model.graph.output.append(onnx.ValueInfoProto(name=conv.output[0]))
     try:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = _ort.session(model, _ort.options(None))
     except Exception:  # noqa: BLE001 - a heuristic: no answer rather than an error
         return {}
     height, width = (shape[2], shape[3]) if layout == "NCHW" else (shape[1], shape[2])

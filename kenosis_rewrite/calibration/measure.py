@@ -71,8 +71,9 @@ def augmented(photos: list[np.ndarray], per_photo: int, seed: int) -> Iterator[n
 
 
 def _top1(reference: list, outputs: list) -> float:
-    agree = [np.argmax(r[0].reshape(-1)) == np.argmax(o[0].reshape(-1)) for r, o in zip(reference, outputs)]
-    return float(np.mean(agree))
+    """Top-1 agreement of the first output, each sample's output flattened to one row of classes."""
+    return float(np.mean([fidelity.top1_agreement(r[0].reshape(1, -1), o[0].reshape(1, -1))
+                          for r, o in zip(reference, outputs)]))
 
 
 def logits_model(model):
