@@ -47,7 +47,6 @@ activation-quantized (QLinearMatMul / MatMulIntegerToFloat) candidate and is lef
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -55,101 +54,22 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules.nbits_weight import (  # re-exported: they were defined here
+    NBITS_TYPES,
+    WeightDQ,
+    constant_of,
+    fusible_block,
+    dequantize_constant,
+    float_dtype,
+    nbits_type_reason,
+    weight_dq,
+)
 
 __all__ = [
     "CastWeightDequantize", "UnshareWeightDequantize", "FoldWeightTranspose", "FoldWeightReshape",
     "ReblockWeightDequantize", "GemmWeightToMatMul", "ReluToMaxAfterNBits", "ClipToMinMaxAfterNBits",
     "matmul_nbits_rules", "NBITS_TYPES", "dequantize_constant",
 ]
-
-NBITS_TYPES = (ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.INT8, ir.DataType.UINT8)
-FOUR_BIT = (ir.DataType.INT4, ir.DataType.UINT4)
-SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-MIN_BLOCK = 16
-MAX_BLOCK = 256  # measured on ORT 1.31.1: block_size 512 and 1024 do not fuse
-
-
-# --------------------------------------------------------------------------------------------
-# Weight DequantizeLinear: constants, checks, numerics
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightDQ:
-    """The constants and layout of a DequantizeLinear of a constant weight."""
-
-    node: ir.Node
-    data: np.ndarray  # as stored (ml_dtypes int4/uint4 for 4-bit)
-    scale: np.ndarray
-    zero_point: np.ndarray | None
-    dtype: ir.DataType
-    axis: int  # non-negative
-    block_size: int
-
-    @property
-    def scale_type(self) -> ir.DataType:
-        return _float_dtype(self.scale)
-
-    def describe(self) -> str:
-        layout = f"blocked axis {self.axis} x{self.block_size}" if self.block_size else f"axis {self.axis}"
-        return f"{self.dtype.name.lower()} {list(self.data.shape)} {layout}"
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    return _qdq.const_array(value)
-
-
-def weight_dq(value: ir.Value | None) -> WeightDQ | str:
-    """The weight DequantizeLinear producing ``value``, or a reason why it is not one."""
-    node = value.producer() if value is not None else None
-    if not _qdq.is_dequantize(node):
-        return "the weight does not come from a DequantizeLinear"
-    data, scale = _constant(node.inputs[0]), _constant(node.inputs[1])
-    zp_value = node.inputs[2] if len(node.inputs) > 2 else None
-    zero_point = _constant(zp_value)
-    if data is None or scale is None or (zp_value is not None and zero_point is None):
-        return "the DequantizeLinear's data, scale or zero point is not a constant"
-    dtype = node.inputs[0].dtype or ir.DataType.UNDEFINED
-    axis = node.attributes.get_int("axis", 1)
-    axis = axis + data.ndim if axis < 0 else axis
-    return WeightDQ(node, data, scale, zero_point, dtype, axis, node.attributes.get_int("block_size", 0))
-
-
-def nbits_type_reason(dq: WeightDQ) -> str | None:
-    """Why MatMulNBits cannot take this quantized type and scale type; None when it can."""
-    if dq.dtype not in NBITS_TYPES:
-        return f"{dq.dtype.name.lower()} weights: MatMulNBits takes int4/uint4/int8/uint8 only"
-    if dq.scale.dtype not in (np.float32, np.float16):
-        return f"{dq.scale.dtype} scales: MatMulNBits takes float32/float16 scales only"
-    return None
-
-
-def _expand(array: np.ndarray, dq: WeightDQ, shape: tuple[int, ...]) -> np.ndarray:
-    """Scale or zero point broadcast to the data shape (per-tensor, per-axis or blocked)."""
-    if array.size == 1 and not dq.block_size:
-        return array.reshape(())
-    if dq.block_size:
-        return np.repeat(array, dq.block_size, axis=dq.axis).take(np.arange(shape[dq.axis]), axis=dq.axis)
-    view = [1] * len(shape)
-    view[dq.axis] = array.size
-    return array.reshape(view)
-
-
-def dequantize_constant(dq: WeightDQ, scale: np.ndarray | None = None) -> np.ndarray:
-    """What DequantizeLinear computes: ``(data - zp) * scale`` in float32, rounded to the scale's type."""
-    scale = dq.scale if scale is None else scale
-    data = dq.data.astype(np.float32)
-    zero_point = 0.0 if dq.zero_point is None else _expand(dq.zero_point.astype(np.float32), dq, data.shape)
-    product = (data - zero_point) * _expand(scale.astype(np.float32), dq, data.shape)
-    return product.astype(scale.dtype)
-
-
-def _fusible_block(dq: WeightDQ) -> bool:
-    block = dq.block_size
-    return MIN_BLOCK <= block <= MAX_BLOCK and not block & (block - 1)
-
 
 def _reads_dequantize(value: ir.Value | None) -> bool:
     return value is not None and _qdq.is_dequantize(value.producer())
@@ -165,10 +85,6 @@ def _tensor(array: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tensor:
     if dtype in _qdq.INTEGER_RANGES:
         return _qdq.integer_tensor(np.asarray(array).astype(np.int32), dtype, name)
     return ir.tensor(np.ascontiguousarray(array), name=name)
-
-
-def _float_dtype(array: np.ndarray) -> ir.DataType:
-    return ir.DataType.FLOAT16 if array.dtype == np.float16 else ir.DataType.FLOAT
 
 
 def _dq_attributes(axis: int, block_size: int) -> dict:
@@ -202,6 +118,16 @@ class _NBitsRule(RewriteRuleClassBase):
             self.report.forget_refusals_at(self.name, where)
         return MatchResult()
 
+    def _weight(self, a: ir.Value, weight: ir.Value, refuse_at: str | None = None) -> WeightDQ | MatchResult:
+        """The check prologue every weight rule shares: the readable weight DQ of a weight-only op, or
+        the failure that ends the match (a DQ that cannot be read is refused at ``refuse_at`` when given)."""
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized MatMul")
+        dq = weight_dq(weight)
+        if isinstance(dq, str):
+            return self._refuse(refuse_at, dq) if refuse_at is not None else MatchResult().fail(dq)
+        return dq
+
     def _record(self, where: str, detail: str, exact: bool) -> None:
         if self.report is not None:
             self.report.changed(self.name, where, detail, exact=exact)
@@ -218,7 +144,7 @@ class _NBitsRule(RewriteRuleClassBase):
         base = dq.node.inputs[0].name or "weight"
         inputs = [
             self._initializer(op, graph, data, dq.dtype, f"{base}_{tag}", taken),
-            self._initializer(op, graph, scale, _float_dtype(scale), f"{dq.node.inputs[1].name or 'scale'}_{tag}", taken),
+            self._initializer(op, graph, scale, float_dtype(scale), f"{dq.node.inputs[1].name or 'scale'}_{tag}", taken),
         ]
         if zero_point is not None:
             zp_name = (dq.node.inputs[2].name or "zero_point") + f"_{tag}"
@@ -249,11 +175,9 @@ class CastWeightDequantize(_NBitsRule):
     def check(self, context, a, weight, cast, out, **_) -> MatchResult:
         del context
         where = _where(out.producer(), "MatMul")
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str):
-            return self._refuse(where, dq)
+        dq = self._weight(a, weight, refuse_at=where)
+        if isinstance(dq, MatchResult):
+            return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
             return self._refuse(where, reason)
@@ -303,10 +227,10 @@ class UnshareWeightDequantize(_NBitsRule):
 
     def check(self, context, a, weight, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str) or not _shared(dq, weight):
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
+        if not _shared(dq, weight):
             return MatchResult().fail("not a shared weight DequantizeLinear")
         where = _where(out.producer(), "MatMul")
         reason = nbits_type_reason(dq)
@@ -351,12 +275,10 @@ class FoldWeightTranspose(_NBitsRule):
 
     def check(self, context, a, weight, moved, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
         where = _where(out.producer(), "MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str):
-            return MatchResult().fail(dq)
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
             return self._refuse(where, reason)
@@ -384,7 +306,7 @@ class FoldWeightReshape(_NBitsRule):
         return op.MatMul(a, moved, _outputs=["out"])
 
     def _target(self, dq: WeightDQ, shape: ir.Value) -> tuple[int, int] | str:
-        target = _constant(shape)
+        target = constant_of(shape)
         if target is None:
             return "the Reshape's shape is not a constant"
         source = dq.data.shape
@@ -401,12 +323,10 @@ class FoldWeightReshape(_NBitsRule):
 
     def check(self, context, a, weight, shape, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
         where = _where(out.producer(), "MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str):
-            return MatchResult().fail(dq)
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
         reason = nbits_type_reason(dq)
         if reason is None:
             target = self._target(dq, shape)
@@ -451,10 +371,10 @@ class ReblockWeightDequantize(_NBitsRule):
 
     def check(self, context, a, weight, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str) or not dq.block_size or _fusible_block(dq):
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
+        if not dq.block_size or fusible_block(dq):
             return MatchResult().fail("not a blocked DQ with an unfusible block size")
         where = _where(out.producer(), "MatMul")
         reason = nbits_type_reason(dq)
@@ -509,7 +429,7 @@ class GemmWeightToMatMul(_NBitsRule):
         if reason is None and gemm.attributes.get_float("alpha", 1.0) != 1.0:
             reason = "alpha != 1 (folding it into the scales would change them)"
         bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
-        if reason is None and bias is not None and gemm.attributes.get_float("beta", 1.0) != 1.0 and _constant(bias) is None:
+        if reason is None and bias is not None and gemm.attributes.get_float("beta", 1.0) != 1.0 and constant_of(bias) is None:
             reason = "beta != 1 with a non-constant C"
         if reason is None and dq.data.ndim != 2:
             reason = "the weight is not 2-D"
@@ -527,7 +447,7 @@ class GemmWeightToMatMul(_NBitsRule):
         if bias is None or beta == 0.0:
             return product
         if beta != 1.0:
-            constant = _constant(bias)
+            constant = constant_of(bias)
             name = _qdq.unique_name(gemm.graph, f"{bias.name or 'bias'}_beta")
             scaled = (constant.astype(np.float32) * beta).astype(constant.dtype)
             bias = op.initializer(ir.tensor(scaled, name=name), name=name)
