@@ -155,10 +155,6 @@ def integer_tensor(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tens
     return ir.tensor(values.astype(dtype.numpy()), dtype=dtype, name=name)
 
 
-def float_tensor_like(values: np.ndarray, like: np.ndarray, name: str) -> ir.Tensor:
-    return ir.tensor(np.asarray(values, dtype=like.dtype).reshape(like.shape), name=name)
-
-
 class NameAllocator:
     """Hands out fresh, deterministic names for one graph (scans the graph once)."""
 
@@ -221,7 +217,9 @@ def graph_value_names(graph: ir.Graph) -> set[str]:
 def unique_name(graph: ir.Graph | None, base: str, also_taken: set[str] | frozenset[str] = frozenset()) -> str:
     """``base`` or ``base_N``: a name no value of ``graph`` uses yet.
 
-    Rewrite rules need this: onnxscript skips a new initializer whose name already exists.
+    Rescans ``graph`` on every call: a pass or rule naming many things uses one
+    :class:`NameAllocator` (rules: ``rules._reporting.NamingRule.fresh_name``) instead. Left for the
+    module-level helpers of ``passes.dequantize`` that several passes call.
     """
     taken = graph_value_names(graph) if graph is not None else set()
     taken |= set(also_taken)
@@ -232,14 +230,12 @@ def unique_name(graph: ir.Graph | None, base: str, also_taken: set[str] | frozen
     return candidate
 
 
-def constant_maker(op, graph: ir.Graph | None, base: str):
-    """``make(values, dtype, suffix)`` -> a new initializer value named ``{base}_{suffix}`` (made unique
-    in ``graph`` and among the ones made before), for a rule's ``rewrite(op, ...)``."""
-    taken: set[str] = set()
+def constant_maker(op, fresh, base: str):
+    """``make(values, dtype, suffix)`` -> a new initializer value named ``fresh(f"{base}_{suffix}")``, for a
+    rule's ``rewrite(op, ...)`` (``fresh``: e.g. ``NamingRule.fresh_name`` bound to the graph)."""
 
     def make(values, dtype, suffix: str) -> ir.Value:
-        name = unique_name(graph, f"{base}_{suffix}", taken)
-        taken.add(name)
+        name = fresh(f"{base}_{suffix}")
         return op.initializer(ir.tensor(np.asarray(values, dtype=dtype), name=name), name=name)
 
     return make
@@ -267,8 +263,16 @@ def dequantize_consumers(value: ir.Value) -> list[ir.Node] | None:
     return consumers
 
 
-def scalar_initializer_like(array: np.ndarray, value: float | int, dtype) -> ir.Tensor:
-    return ir.tensor(np.asarray(value, dtype=dtype).reshape(array.shape))
+def requantizable(output: ir.Value, what: str = "quantized tensor") -> list[ir.Node] | str:
+    """The DequantizeLinear nodes that alone read quantized ``output`` (so its parameters may change
+    with theirs), or why not: it is a graph output (its type and values are the interface), or
+    another node reads it. ``what`` names the tensor in that reason."""
+    if output.is_graph_output():
+        return f"{what} {output.name!r} is a graph output"
+    consumers = dequantize_consumers(output)
+    if consumers is None:
+        return f"{what} {output.name!r} is read by a non-DequantizeLinear node"
+    return consumers
 
 
 def dequantize_array(data: np.ndarray, params: QuantParams) -> np.ndarray:

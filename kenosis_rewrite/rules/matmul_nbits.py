@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 from kenosis_rewrite.rules.nbits_weight import (  # re-exported: they were defined here
     NBITS_TYPES,
     WeightDQ,
@@ -99,24 +100,13 @@ def _dq_attributes(axis: int, block_size: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-class _NBitsRule(RewriteRuleClassBase):
-    """Shared recording and DQ construction of the MatMulNBits rules."""
+class _NBitsRule(ReportingRule):
+    """Shared check prologue and DQ construction of the MatMulNBits rules."""
 
     rule_name = ""
 
     def __init__(self, report: FixReport | None = None, **kwargs):
-        super().__init__(name=self.rule_name, **kwargs)
-        self.report = report
-
-    def _refuse(self, where: str, reason: str) -> MatchResult:
-        if self.report is not None:
-            self.report.refused(self.name, where, reason)
-        return MatchResult().fail(reason)
-
-    def _ok(self, where: str) -> MatchResult:
-        if self.report is not None:
-            self.report.forget_refusals_at(self.name, where)
-        return MatchResult()
+        super().__init__(self.rule_name, report, **kwargs)
 
     def _weight(self, a: ir.Value, weight: ir.Value, refuse_at: str | None = None) -> WeightDQ | MatchResult:
         """The check prologue every weight rule shares: the readable weight DQ of a weight-only op, or
@@ -125,30 +115,24 @@ class _NBitsRule(RewriteRuleClassBase):
             return MatchResult().fail("activation-quantized MatMul")
         dq = weight_dq(weight)
         if isinstance(dq, str):
-            return self._refuse(refuse_at, dq) if refuse_at is not None else MatchResult().fail(dq)
+            return self.refuse(refuse_at, dq) if refuse_at is not None else MatchResult().fail(dq)
         return dq
 
-    def _record(self, where: str, detail: str, exact: bool) -> None:
-        if self.report is not None:
-            self.report.changed(self.name, where, detail, exact=exact)
-
-    @staticmethod
-    def _initializer(op, graph: ir.Graph, array: np.ndarray, dtype: ir.DataType, base: str, taken: set[str]):
-        name = _qdq.unique_name(graph, base, taken)
-        taken.add(name)
+    def _initializer(self, op, graph: ir.Graph, array: np.ndarray, dtype: ir.DataType, base: str):
+        name = self.fresh_name(graph, base)
         return op.initializer(_tensor(array, dtype, name), name=name)
 
     def _new_dq(self, op, dq: WeightDQ, data, scale, zero_point, axis: int, block_size: int, tag: str):
         """A DequantizeLinear of fresh initializers (arrays), named after the old one."""
-        graph, taken = dq.node.graph, set()
+        graph = dq.node.graph
         base = dq.node.inputs[0].name or "weight"
         inputs = [
-            self._initializer(op, graph, data, dq.dtype, f"{base}_{tag}", taken),
-            self._initializer(op, graph, scale, float_dtype(scale), f"{dq.node.inputs[1].name or 'scale'}_{tag}", taken),
+            self._initializer(op, graph, data, dq.dtype, f"{base}_{tag}"),
+            self._initializer(op, graph, scale, float_dtype(scale), f"{dq.node.inputs[1].name or 'scale'}_{tag}"),
         ]
         if zero_point is not None:
             zp_name = (dq.node.inputs[2].name or "zero_point") + f"_{tag}"
-            inputs.append(self._initializer(op, graph, zero_point, dq.dtype, zp_name, taken))
+            inputs.append(self._initializer(op, graph, zero_point, dq.dtype, zp_name))
         name = f"{dq.node.name}_{tag}" if dq.node.name else None
         return op.DequantizeLinear(*inputs, _name=name, **_dq_attributes(axis, block_size))
 
@@ -180,15 +164,15 @@ class CastWeightDequantize(_NBitsRule):
             return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self._refuse(where, reason)
+            return self.refuse(where, reason)
         target = cast.producer().attributes.get_int("to", 0)
         if target not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-            return self._refuse(where, f"Cast to {ir.DataType(target).name.lower()}: not a float MatMul")
+            return self.refuse(where, f"Cast to {ir.DataType(target).name.lower()}: not a float MatMul")
         if target == dq.scale_type:
             return MatchResult().fail("the Cast does not change the type")
         if target == ir.DataType.FLOAT16 and np.abs(dq.scale.astype(np.float32)).max() > 65504:
-            return self._refuse(where, "scales overflow float16")
-        return self._ok(where)
+            return self.refuse(where, "scales overflow float16")
+        return self.accept(where)
 
     def rewrite(self, op, a, weight, cast, out, **_):
         dq = weight_dq(weight)
@@ -198,7 +182,7 @@ class CastWeightDequantize(_NBitsRule):
         exact = bool(np.array_equal(before.view(np.uint8), dequantize_constant(dq, scale).view(np.uint8)))
         new_dq = self._new_dq(op, dq, dq.data, scale, dq.zero_point, dq.axis, dq.block_size, target.name.lower())
         detail = f"{dq.describe()}: scales {dq.scale_type.name.lower()} -> {target.name.lower()}, Cast removed"
-        self._record(_where(out.producer(), "MatMul"), detail, exact)
+        self.record(_where(out.producer(), "MatMul"), detail, exact)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -235,14 +219,14 @@ class UnshareWeightDequantize(_NBitsRule):
         where = _where(out.producer(), "MatMul")
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self._refuse(where, reason)
-        return self._ok(where)
+            return self.refuse(where, reason)
+        return self.accept(where)
 
     def rewrite(self, op, a, weight, out, **_):
         dq = weight_dq(weight)
         zero_point = None if dq.zero_point is None else dq.zero_point.copy()
         new_dq = self._new_dq(op, dq, dq.data.copy(), dq.scale.copy(), zero_point, dq.axis, dq.block_size, "copy")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: private copy of a shared weight", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: private copy of a shared weight", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -281,17 +265,17 @@ class FoldWeightTranspose(_NBitsRule):
             return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self._refuse(where, reason)
+            return self.refuse(where, reason)
         perm = moved.producer().attributes.get_ints("perm", None)
         if dq.data.ndim != 2 or (perm is not None and list(perm) != [1, 0]):
-            return self._refuse(where, "only the transpose of a 2-D weight is folded")
-        return self._ok(where)
+            return self.refuse(where, "only the transpose of a 2-D weight is folded")
+        return self.accept(where)
 
     def rewrite(self, op, a, weight, moved, out, **_):
         dq = weight_dq(weight)
         data, scale, zero_point, axis = _transposed(dq)
         new_dq = self._new_dq(op, dq, data, scale, zero_point, axis, dq.block_size, "T")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Transpose folded into the constants", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Transpose folded into the constants", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -331,7 +315,7 @@ class FoldWeightReshape(_NBitsRule):
         if reason is None:
             target = self._target(dq, shape)
             reason = target if isinstance(target, str) else None
-        return self._refuse(where, reason) if reason is not None else self._ok(where)
+        return self.refuse(where, reason) if reason is not None else self.accept(where)
 
     def rewrite(self, op, a, weight, shape, out, **_):
         dq = weight_dq(weight)
@@ -343,7 +327,7 @@ class FoldWeightReshape(_NBitsRule):
         axis = kept.index(dq.axis) if dq.axis in kept else 1
         new_dq = self._new_dq(op, dq, squeeze(dq.data), squeeze(dq.scale), squeeze(dq.zero_point), axis,
                               dq.block_size, "2d")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Reshape folded into the constants", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Reshape folded into the constants", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -382,7 +366,7 @@ class ReblockWeightDequantize(_NBitsRule):
             reason = f"blocks along axis {dq.axis} of the weight, not along K (axis 0): MatMulNBits cannot take them"
         if reason is None and fusible_divisor(dq.block_size) is None:
             reason = f"block_size {dq.block_size} has no power-of-two divisor >= 16: exact re-blocking is impossible"
-        return self._refuse(where, reason) if reason is not None else self._ok(where)
+        return self.refuse(where, reason) if reason is not None else self.accept(where)
 
     def rewrite(self, op, a, weight, out, **_):
         dq = weight_dq(weight)
@@ -394,7 +378,7 @@ class ReblockWeightDequantize(_NBitsRule):
                 return None
             return np.repeat(array, dq.block_size // block, axis=0)[:n_blocks]
         new_dq = self._new_dq(op, dq, dq.data.copy(), repeat(dq.scale), repeat(dq.zero_point), 0, block, f"b{block}")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: block size {dq.block_size} -> {block}", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: block size {dq.block_size} -> {block}", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -433,7 +417,7 @@ class GemmWeightToMatMul(_NBitsRule):
             reason = "beta != 1 with a non-constant C"
         if reason is None and dq.data.ndim != 2:
             reason = "the weight is not 2-D"
-        return self._refuse(where, reason) if reason is not None else self._ok(where)
+        return self.refuse(where, reason) if reason is not None else self.accept(where)
 
     def rewrite(self, op, a, weight, out, **_):
         gemm = out.producer()
@@ -441,14 +425,14 @@ class GemmWeightToMatMul(_NBitsRule):
         data, scale, zero_point, axis = _transposed(dq)
         new_dq = self._new_dq(op, dq, data, scale, zero_point, axis, dq.block_size, "T")
         product = op.MatMul(a, new_dq, _name=gemm.name)
-        self._record(_where(gemm, "Gemm"), f"{dq.describe()}: Gemm(transB=1) -> MatMul + Add", False)
+        self.record(_where(gemm, "Gemm"), f"{dq.describe()}: Gemm(transB=1) -> MatMul + Add", False)
         bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
         beta = gemm.attributes.get_float("beta", 1.0)
         if bias is None or beta == 0.0:
             return product
         if beta != 1.0:
             constant = constant_of(bias)
-            name = _qdq.unique_name(gemm.graph, f"{bias.name or 'bias'}_beta")
+            name = self.fresh_name(gemm.graph, f"{bias.name or 'bias'}_beta")
             scaled = (constant.astype(np.float32) * beta).astype(constant.dtype)
             bias = op.initializer(ir.tensor(scaled, name=name), name=name)
         return op.Add(product, bias)
@@ -490,8 +474,8 @@ class _ActivationAfterNBits(_NBitsRule):
             return MatchResult().fail("the MatMul output has other consumers: ORT fuses it already")
         bounds = self._bounds(out.producer())
         if isinstance(bounds, str):
-            return self._refuse(_where(out.producer(), self.activation), bounds)
-        return self._ok(_where(out.producer(), self.activation))
+            return self.refuse(_where(out.producer(), self.activation), bounds)
+        return self.accept(_where(out.producer(), self.activation))
 
     def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
         return value_range.activation_bounds(node)
@@ -500,15 +484,14 @@ class _ActivationAfterNBits(_NBitsRule):
         node, matmul = out.producer(), x.producer()
         dtype = _float_type(matmul).numpy()
         lo, hi = self._bounds(node)
-        graph, result, taken = node.graph, x, set()
+        graph, result = node.graph, x
         for bound, op_type in ((lo, "Max"), (hi, "Min")):
             if bound is None:
                 continue
-            name = _qdq.unique_name(graph, f"{x.name or 'matmul'}_{op_type.lower()}_bound", taken)
-            taken.add(name)
+            name = self.fresh_name(graph, f"{x.name or 'matmul'}_{op_type.lower()}_bound")
             constant = op.initializer(ir.tensor(np.asarray(bound, dtype=dtype), name=name), name=name)
             result = op.op(op_type, result, constant)
-        self._record(_where(node, self.activation), f"{self.activation} -> Max/Min so ORT fuses the MatMul", True)
+        self.record(_where(node, self.activation), f"{self.activation} -> Max/Min so ORT fuses the MatMul", True)
         return result
 
 
