@@ -121,7 +121,6 @@ def test_measure_latency_stats_are_sane(toy_models_by_name):
         assert result.runs == 12
         assert 0 < result.min_ms <= result.median_ms <= result.p90_ms
         assert result.min_ms <= result.mean_ms
-        assert result.fps == pytest.approx(1000 / result.median_ms)
 
 
 def test_measure_latency_interleaves_all_variants(monkeypatch, toy_models_by_name):
@@ -158,8 +157,6 @@ def test_measure_throughput_counts_runs_on_every_stream():
     assert result.streams == 2 and len(result.runs_per_stream) == 2
     assert all(count > 0 for count in result.runs_per_stream)
     assert result.seconds >= 0.2
-    assert result.total_fps == pytest.approx(sum(result.runs_per_stream) / result.seconds)
-    assert result.fps_per_stream == pytest.approx(result.total_fps / 2)
 
 
 def test_synthetic_feeds_fill_dynamic_dims():
