@@ -156,23 +156,43 @@ def integer_tensor(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tens
 
 
 class NameAllocator:
-    """Hands out fresh, deterministic names for one graph (scans the graph once)."""
+    """Fresh, deterministic names for one graph: ``base``, else ``base_1``, ``base_2``...
+
+    The one way kenosis names what it adds (onnxscript skips a new initializer whose name exists,
+    and duplicate value names make an invalid model). The graph is scanned once, when the first name
+    is asked for (values, initializers and node names, subgraphs included; making an allocator that
+    names nothing costs nothing); a pass or rule then keeps one allocator for all it adds, so naming
+    N things costs one scan, not N.
+    """
 
     def __init__(self, graph: ir.Graph):
-        self._taken = set(graph.initializers)
-        self._taken.update(v.name for v in graph.inputs if v.name)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            self._taken.update(v.name for v in node.outputs if v.name)
+        self._graph = graph
+        self._taken: set[str] | None = None
+        self._next_index: dict[str, int] = {}  # per base: every ``base_i`` below it is taken
+
+    def _scan(self) -> set[str]:
+        taken = set(self._graph.initializers)
+        taken.update(v.name for v in self._graph.inputs if v.name)
+        for node in ir.traversal.RecursiveGraphIterator(self._graph):
+            taken.update(v.name for v in node.outputs if v.name)
             if node.name:
-                self._taken.add(node.name)
+                taken.add(node.name)
+        return taken
 
     def fresh(self, base: str) -> str:
-        candidate, index = base, 1
-        while candidate in self._taken:
-            candidate = f"{base}_{index}"
+        """``base`` when free, else the first free ``base_i`` (i = 1, 2...); the name is then taken."""
+        if self._taken is None:
+            self._taken = self._scan()
+        if base not in self._taken:
+            self._taken.add(base)
+            return base
+        index = self._next_index.get(base, 1)
+        while f"{base}_{index}" in self._taken:
             index += 1
-        self._taken.add(candidate)
-        return candidate
+        self._next_index[base] = index + 1
+        name = f"{base}_{index}"
+        self._taken.add(name)
+        return name
 
 
 def add_initializer(graph: ir.Graph, tensor: ir.Tensor, name: str) -> ir.Value:
@@ -203,31 +223,6 @@ def default_opset(owner: ir.Model | ir.Graph) -> int:
     """The default-domain (``""`` or ``"ai.onnx"``) opset of a model or graph; 1 when none is imported."""
     opsets = owner.opset_imports
     return opsets.get("", opsets.get("ai.onnx", 1))
-
-
-def graph_value_names(graph: ir.Graph) -> set[str]:
-    """Every value and initializer name of ``graph`` (top level)."""
-    names = set(graph.initializers)
-    names.update(v.name for v in graph.inputs if v.name)
-    for node in graph:
-        names.update(v.name for v in node.outputs if v.name)
-    return names
-
-
-def unique_name(graph: ir.Graph | None, base: str, also_taken: set[str] | frozenset[str] = frozenset()) -> str:
-    """``base`` or ``base_N``: a name no value of ``graph`` uses yet.
-
-    Rescans ``graph`` on every call: a pass or rule naming many things uses one
-    :class:`NameAllocator` (rules: ``rules._reporting.NamingRule.fresh_name``) instead. Left for the
-    module-level helpers of ``passes.dequantize`` that several passes call.
-    """
-    taken = graph_value_names(graph) if graph is not None else set()
-    taken |= set(also_taken)
-    candidate, index = base, 1
-    while candidate in taken:
-        candidate = f"{base}_{index}"
-        index += 1
-    return candidate
 
 
 def constant_maker(op, fresh, base: str):

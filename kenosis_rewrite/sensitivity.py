@@ -28,6 +28,7 @@ import onnx_ir as ir
 
 from kenosis_rewrite import _io, _ort, _qdq, fidelity
 from kenosis_rewrite.bias_correction import first_input_readers, float_counterpart
+from kenosis_rewrite.passes._base import remove_unused_nodes
 from kenosis_rewrite.passes.dequantize import dequantize_constants, remove_qdq_pair
 from kenosis_rewrite.report import FixReport
 
@@ -167,23 +168,21 @@ def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = 
     The Q/DQ pairs on the layer's input and output are removed even when a neighbour then loses
     its integer kernel: fidelity first; the report says which layers, and the benchmark what it costs.
     """
-    wanted, float_nodes, count = set(names), set(), 0
+    wanted, count = set(names), 0
+    fresh = _qdq.NameAllocator(model.graph)
     for node in list(model.graph):
         if node.name not in wanted or node.op_type not in _qdq.WEIGHTED_OPS:
             continue
-        float_nodes.add(id(node))
-        dequantize_constants(node, model.graph)
+        dequantize_constants(node, model.graph, names=fresh)
         dq = node.inputs[0].producer() if node.inputs[0] is not None else None
         if _qdq.is_dequantize(dq) and _qdq.is_quantize(dq.inputs[0].producer()):
-            remove_qdq_pair(dq.inputs[0].producer())
+            remove_qdq_pair(dq.inputs[0].producer(), names=fresh)
         for quantize in _output_quantizers(node):
-            remove_qdq_pair(quantize)
+            remove_qdq_pair(quantize, names=fresh)
         count += 1
         if report is not None:
             report.changed(RULE_NAME, node.name, (reasons or {}).get(node.name, "kept in FP32"), exact=False)
-    from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-    RemoveUnusedNodesPass()(model)
+    remove_unused_nodes(model)
     return count
 
 

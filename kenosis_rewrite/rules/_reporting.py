@@ -33,13 +33,18 @@ class NamingRule(RewriteRuleClassBase):
         self._allocators = {}
 
     def fresh_name(self, graph: ir.Graph | None, base: str) -> str:
-        """``base`` or ``base_N``: a name no value, initializer or node of ``graph`` has, nor one handed out before."""
+        """``base`` or ``base_N``: a name no value, initializer or node of ``graph`` had when this rule first
+        named something in it during this application, none handed out since, and no initializer has now (other rules of the set add initializers
+        while this one runs; ``graph.initializers`` is a dict, so that check stays cheap)."""
         if graph is None:
             return base
         allocators = self.__dict__.setdefault("_allocators", {})
         if id(graph) not in allocators:
             allocators[id(graph)] = _qdq.NameAllocator(graph)
-        return allocators[id(graph)].fresh(base)
+        name = allocators[id(graph)].fresh(base)
+        while name in graph.initializers:
+            name = allocators[id(graph)].fresh(base)
+        return name
 
 
 class ReportingRule(NamingRule):
