@@ -67,14 +67,6 @@ def short_traceback(error: BaseException, frames: int = 4) -> str:
     return "".join(tail)[-1500:]
 
 
-def interface(model: onnx.ModelProto) -> tuple:
-    return (
-        [(v.name, v.type.SerializeToString()) for v in model.graph.input],
-        [(v.name, v.type.tensor_type.elem_type) for v in model.graph.output],
-        sorted((o.domain, o.version) for o in model.opset_import),
-    )
-
-
 def _attribute_key(attribute: onnx.AttributeProto) -> tuple:
     return (attribute.name, attribute.SerializeToString(deterministic=True))
 

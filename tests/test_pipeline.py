@@ -188,3 +188,40 @@ def test_quantize_does_not_modify_its_input():
     before_ir = ir.serde.serialize_model(as_ir).SerializeToString()
     kenosis_rewrite.quantize(as_ir, calibration=feeds)
     assert ir.serde.serialize_model(as_ir).SerializeToString() == before_ir
+
+
+def _breaking_fix_pass(monkeypatch, damage):
+    """FixPass as usual, then ``damage(model)``: a stand-in for a rule with a bug."""
+    from kenosis_rewrite import pipeline
+
+    real = pipeline.FixPass.call
+
+    def call(self, model):
+        result = real(self, model)
+        damage(model)
+        return result
+
+    monkeypatch.setattr(pipeline.FixPass, "call", call)
+
+
+def test_a_rewrite_that_changes_the_interface_is_a_rewrite_error(monkeypatch):
+    _, _, qdq = _quantized("conv_relu", "default")
+
+    def rename_output(model):
+        model.graph.outputs[0].name = "renamed"
+
+    _breaking_fix_pass(monkeypatch, rename_output)
+    with pytest.raises(kenosis_rewrite.RewriteError, match="interface"):
+        kenosis_rewrite.fix(qdq, verify=False)
+
+
+def test_a_rewrite_that_breaks_the_checker_is_a_rewrite_error(monkeypatch):
+    _, _, qdq = _quantized("conv_relu", "default")
+
+    def add_bad_node(model):
+        output = model.graph.outputs[0]
+        model.graph.append(ir.node("Relu", [output, output], name="two_inputs"))  # Relu takes one input
+
+    _breaking_fix_pass(monkeypatch, add_bad_node)
+    with pytest.raises(kenosis_rewrite.RewriteError, match="ONNX checker"):
+        kenosis_rewrite.fix(qdq, verify=False)
