@@ -1,7 +1,9 @@
 """Measurements (a script, not a test): synthetic vs real-photo calibration, and calibration memory.
 
-    python -m kenosis_rewrite.calibration.measure fidelity MODEL.onnx --calib-wheels W.whl ... --eval-wheels W.whl ...
-    python -m kenosis_rewrite.calibration.measure memory MODEL.onnx --samples 500
+    python examples/calibration_measure.py fidelity MODEL.onnx --calib-wheels W.whl ... --eval-wheels W.whl ...
+    python examples/calibration_measure.py memory MODEL.onnx --samples 500
+
+(A research script: it lived in the package as ``kenosis_rewrite.calibration.measure``.)
 
 Photos are read straight out of PyPI wheels (zip files), see shared research "Real photos".
 Calibration photos and evaluation photos are different files; each photo yields several random
