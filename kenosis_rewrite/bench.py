@@ -122,8 +122,6 @@ def measure_latency(
     return {name: LatencyStats.from_seconds(times) for name, times in samples.items()}
 
 
-
-
 def measure_throughput(
     model: ModelLike,
     feed: Mapping[str, np.ndarray],
@@ -169,8 +167,6 @@ def measure_throughput(
     if errors:
         raise RuntimeMeasurementError(f"a throughput stream failed: {errors[0]}")
     return ThroughputStats(streams, elapsed, tuple(counts))
-
-
 
 
 # Random N(0,1) feeds for a user model (one implementation, shared with fix()'s fidelity check).

@@ -48,8 +48,6 @@ class LatencyStats:
         return {**dataclasses.asdict(self), "fps": self.fps}
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class ThroughputStats:
     """Sustained throughput of ``streams`` sessions running concurrently, each on its own thread."""
@@ -68,8 +66,6 @@ class ThroughputStats:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "total_fps": self.total_fps, "fps_per_stream": self.fps_per_stream}
-
-
 
 
 @dataclasses.dataclass
@@ -259,5 +255,3 @@ def _latency_svg(variants: Sequence[VariantResult]) -> str:
     height = row_h * len(measured)
     return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{label_w + bar_w + 110}' height='{height}' "
             f"role='img' aria-label='median latency per variant'>{''.join(rows)}</svg>")
-
-

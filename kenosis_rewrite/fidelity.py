@@ -22,7 +22,7 @@ _NUMPY_OF_ONNX = {
 }
 
 
-def _concrete_shape(value: onnx.ValueInfoProto) -> list[int]:
+def concrete_shape(value: onnx.ValueInfoProto) -> list[int]:
     """Static dims kept; a dynamic batch (first) dim -> 1; other dynamic dims -> 224 (images) or 128."""
     dims = value.type.tensor_type.shape.dim
     return [
@@ -46,7 +46,7 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
             dtype = _NUMPY_OF_ONNX.get(value.type.tensor_type.elem_type)
             if dtype is None:
                 raise KenosisError(f"cannot make random data for input {value.name!r} of this type")
-            shape = _concrete_shape(value)
+            shape = concrete_shape(value)
             floating = np.issubdtype(dtype, np.floating)
             feed[value.name] = rng.standard_normal(shape).astype(dtype) if floating else np.zeros(shape, dtype)
         feeds.append(feed)
@@ -185,4 +185,3 @@ def output_fidelity(
         pairs = zip(_per_output(reference_outputs)[class_output], _per_output(outputs)[class_output])
         top1 = float(np.mean([top1_agreement(r, c) for r, c in pairs]))
     return Fidelity(worst, max_abs, top1, len(outputs))
-

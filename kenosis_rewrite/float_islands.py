@@ -25,7 +25,6 @@ from kenosis_rewrite.fusion_report import FloatIsland, HeavyOp
 from kenosis_rewrite.ort_graph import INTEGER_KERNELS, QDQ_OPS, TRIVIAL_OPS
 
 
-
 # Quantized-output ops whose output stays an integer tensor.
 _INTEGER_OUTPUT_OPS = frozenset({"DynamicQuantizeLinear", "NhwcMaxPool"})
 _INTEGER_TYPES = frozenset(
@@ -147,9 +146,6 @@ def _float_islands(graph: onnx.GraphProto) -> list[list[int]]:
     return islands
 
 
-
-
-
 def _int8_boundary(graph: onnx.GraphProto, group: Sequence[int]) -> bool:
     """Whether a Q/DQ at the edge of the island still uses an int8 zero point after ORT's S8->U8 pass."""
     int8_zero_points = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.INT8}
@@ -242,5 +238,3 @@ def build_islands(graph: onnx.GraphProto, ops: list[HeavyOp], matched: dict[str,
                                       _runtime_pads(graph, group))
         islands.append(FloatIsland(nodes, op_types, tuple(op.name for op in heavy), kind, reason, rule))
     return islands
-
-

@@ -50,9 +50,6 @@ RULE_FOLD = {"Relu": "fold-relu-island", "Clip": "fold-clip-island"}
 RULE_PRELU = "prelu-to-leakyrelu / prelu-to-relu-min"
 
 
-
-
-
 @dataclasses.dataclass(frozen=True)
 class Reason:
     """One reason a heavy op stays float: its text (R_*), the fixing rule (or None) and the evidence."""
@@ -300,8 +297,6 @@ def _dedupe(reasons: list[Reason]) -> list[Reason]:
             seen.add((reason.text, reason.detail))
             unique.append(reason)
     return unique
-
-
 
 
 def integer_warning(node: ir.Node) -> str | None:

@@ -7,7 +7,6 @@ import dataclasses
 import json
 
 
-
 @dataclasses.dataclass(frozen=True)
 class HeavyOp:
     """One heavy op of the input graph and the kernel ORT CPU runs it in."""
@@ -105,4 +104,3 @@ def _human(count: int) -> str:
         if count >= size:
             return f"{count / size:.2f}{unit}"
     return str(count)
-

@@ -250,7 +250,6 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
@@ -316,4 +315,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

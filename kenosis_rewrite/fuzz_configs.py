@@ -149,4 +149,3 @@ def _qparams_to_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
 def quantize_with_config(fp32: onnx.ModelProto, config: dict, calibration_feeds) -> onnx.ModelProto | None:
     """``quantize_static`` (QDQ) of ``fp32`` in ``config``; None when it raises or ORT cannot load the result."""
     return quantize_or_skip(fp32, config, calibration_feeds)[0]
-

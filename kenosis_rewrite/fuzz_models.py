@@ -502,4 +502,3 @@ def random_float_model(rng: np.random.Generator) -> tuple[onnx.ModelProto, list[
     onnx.checker.check_model(model, full_check=True)
     feeds = [{x.name: rng.standard_normal(x.shape).astype(np.float32)} for _ in range(N_FEEDS)]
     return model, feeds
-

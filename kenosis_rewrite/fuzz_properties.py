@@ -49,8 +49,6 @@ CATEGORY_TITLES = (
 CATEGORIES = tuple(key for key, _ in CATEGORY_TITLES)
 
 
-
-
 # --- results
 
 
@@ -129,7 +127,6 @@ def _describe_model(model: onnx.ModelProto) -> str:
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     inputs = [list(d.dim_value for d in v.type.tensor_type.shape.dim) for v in model.graph.input]
     return f"opset {opset}, input {inputs}, outputs {len(model.graph.output)}, " + ", ".join(f"{k}x{v}" for k, v in sorted(counts.items()))
-
 
 
 # --- property checks
@@ -341,4 +338,3 @@ def check_quantize_case(seed: int) -> CaseResult:
             case.fail("quantize_below_plain", "quantize()", message, sorted(result.changes), result.drop)
     case.seconds = time.perf_counter() - start
     return case
-

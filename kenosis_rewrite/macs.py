@@ -1,9 +1,10 @@
 """Multiply-accumulates of the heavy ops (Conv, ConvTranspose, MatMul, Gemm and their integer forms).
 
 MACs weight :attr:`kenosis_rewrite.explain.FusionReport.integer_mac_fraction`, so they come from
-the shapes of the heavy ops' inputs and outputs: ONNX shape inference first and, where it leaves a
-heavy op's dims unknown (shapes computed at run time, e.g. TF-style SAME padding through Shape ->
-arithmetic -> Pad), the shapes ONNX Runtime produces on one run of the model.
+the shapes of the heavy ops' inputs and outputs: ONNX shape inference first, then with symbolic
+input dims bound, and, where dims are still unknown (shapes computed at run time, e.g. TF-style
+SAME padding through Shape -> arithmetic -> Pad), the shapes ONNX Runtime produces on one run of
+the model (:func:`with_shapes`).
 """
 
 from __future__ import annotations
@@ -19,28 +20,55 @@ from kenosis_rewrite.errors import one_line
 from kenosis_rewrite.ort_graph import HEAVY_OPS, node_input, write_model
 
 
-
 def with_shapes(model: ir.Model, directory: str, notes: list[str]) -> ir.Model:
     """A copy of ``model`` whose heavy ops' tensors carry shapes, for counting MACs.
 
-    ONNX shape inference first; the heavy-op tensors it leaves without static dims (symbolic input
-    dims, shapes computed at run time) get the shapes ONNX Runtime produces on one run of the model
-    (graph inputs' symbolic dims bound as in :func:`kenosis_rewrite.fidelity.random_feeds`). What
-    could not be done is appended to ``notes``, with its cause; dims still unknown then count as 1.
-    ``directory``: where the measuring copy of the model is written.
+    ONNX shape inference first; where it leaves heavy-op tensors without static dims, again with the
+    graph inputs' symbolic dims bound as :func:`kenosis_rewrite.fidelity.random_feeds` binds them
+    (batch 1, image sides 224, other dims 128); what is still unknown (shapes computed at run time,
+    e.g. TF-style SAME padding) gets the shapes ONNX Runtime produces on one run of the model with
+    such inputs. What could not be done is appended to ``notes``, with its cause; dims still unknown
+    then count as 1. ``directory``: where the measuring copy of the model is written.
     """
     try:
-        proto = ir.serde.serialize_model(model)
-        shaped = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto, data_prop=True))
-        base_dir = _io.external_base_dir(model)
-        if base_dir is not None:  # the copy's external tensors still live next to the caller's model
-            ir.external_data.set_base_dir(shaped.graph, base_dir)
+        shaped = _inferred(model, bind_inputs=False)
     except Exception as error:  # noqa: BLE001 - onnx raises several types; the shapes are measured below
         notes.append(f"ONNX shape inference failed ({one_line(error)})")
         shaped = model.clone()
+    if _unshaped_heavy_values(shaped) and any(not _static(v) for v in shaped.graph.inputs):
+        try:
+            bound = _inferred(model, bind_inputs=True)
+        except Exception as error:  # noqa: BLE001
+            notes.append(f"ONNX shape inference with the input dims bound failed ({one_line(error)})")
+        else:
+            if not _unshaped_heavy_values(bound):
+                dims = ", ".join(f"{v.name} {list(v.shape)}" for v in bound.graph.inputs if v.shape is not None)
+                notes.append(f"MACs counted with the symbolic input dims bound: {dims}")
+                return bound
     unknown = _unshaped_heavy_values(shaped)
     if unknown:
         _measure_shapes(shaped, unknown, directory, notes)
+    return shaped
+
+
+def _inferred(model: ir.Model, bind_inputs: bool) -> ir.Model:
+    """A copy of ``model`` after ONNX shape inference (with data propagation); ``bind_inputs``: the
+    graph inputs' unknown dims set first, as :func:`kenosis_rewrite.fidelity.concrete_shape` does."""
+    from kenosis_rewrite.fidelity import concrete_shape  # noqa: PLC0415 - fidelity imports ORT
+
+    proto = ir.serde.serialize_model(model)
+    if bind_inputs:
+        for value in proto.graph.input:
+            if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+                continue
+            for dim, size in zip(value.type.tensor_type.shape.dim, concrete_shape(value)):
+                if not (dim.HasField("dim_value") and dim.dim_value > 0):
+                    dim.Clear()
+                    dim.dim_value = size
+    shaped = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto, data_prop=True))
+    base_dir = _io.external_base_dir(model)
+    if base_dir is not None:  # the copy's external tensors still live next to the caller's model
+        ir.external_data.set_base_dir(shaped.graph, base_dir)
     return shaped
 
 
@@ -187,5 +215,3 @@ def heavy_op_macs(node: ir.Node) -> int:
     if op == "MatMulNBits":
         return _matmul_nbits_macs(node)
     return _matmul_macs(_dims(node_input(node, 0)), _dims(node_input(node, 1)))
-
-

@@ -63,7 +63,6 @@ def node_input(node: ir.Node, index: int) -> ir.Value | None:
 # --------------------------------------------------------------------------------------------
 
 
-
 def write_model(model: ir.Model, directory: str, name: str = "input") -> str:
     """Save ``model`` for ORT as ``<name>.onnx`` in ``directory``; large weights go to an external file next to it."""
     path = os.path.join(directory, f"{name}.onnx")
@@ -88,7 +87,6 @@ def optimized_graph(model: ir.Model, directory: str, threads: int = 1) -> onnx.M
         return onnx.load(optimized, load_external_data=False)
     except Exception as error:  # noqa: BLE001
         raise RuntimeMeasurementError(f"ONNX Runtime did not write a readable optimized model: {error}") from None
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,5 +160,3 @@ def match_optimized(heavy: ir.Node, optimized: Sequence[onnx.NodeProto]) -> onnx
             integer = [n for n in group if n.op_type in INTEGER_KERNELS]
             return (integer or group)[0]
     return None
-
-

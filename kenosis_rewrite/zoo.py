@@ -258,7 +258,6 @@ PHOTOS: tuple[Photo, ...] = (
 )
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PhotoSet:
     """Many real photos inside one pinned wheel, verified through the wheel's sha256."""

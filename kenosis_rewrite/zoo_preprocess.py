@@ -180,5 +180,3 @@ def preprocess_ppocr_rec(photo: np.ndarray) -> np.ndarray:
 def preprocess_layout_cdla(photo: np.ndarray) -> np.ndarray:
     """layout_cdla: resize to 608x800 (no aspect kept), BGR, /255, ImageNet mean/std."""
     return _nchw(_imagenet_normalise(_bgr(resize(photo, 608, 800))))
-
-
