@@ -270,16 +270,22 @@ def requantizable(output: ir.Value, what: str = "quantized tensor") -> list[ir.N
     return consumers
 
 
+def _along_axis(array: np.ndarray, params: QuantParams, ndim: int) -> np.ndarray:
+    """A scale or zero point of ``params`` shaped to broadcast against an ``ndim``-D tensor: per-axis
+    parameters along ``params.axis``, per-tensor ones as they are."""
+    if params.scale.size <= 1:
+        return array
+    shape = [1] * ndim
+    shape[params.axis % ndim] = params.scale.size
+    return array.reshape(shape)
+
+
 def dequantize_array(data: np.ndarray, params: QuantParams) -> np.ndarray:
     """``(data - zero_point) * scale`` in float32, broadcasting per-axis parameters (not blocked)."""
     if params.block_size:
         raise ValueError("blocked parameters are not supported here")
-    scale = params.scale.astype(np.float32)
-    zero_point = params.zero_point.astype(np.float32)
-    if scale.size > 1:
-        shape = [1] * data.ndim
-        shape[params.axis % data.ndim] = scale.size
-        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    scale = _along_axis(params.scale.astype(np.float32), params, data.ndim)
+    zero_point = _along_axis(params.zero_point.astype(np.float32), params, data.ndim)
     return ((data.astype(np.float32) - zero_point) * scale).astype(np.float32)
 
 
@@ -306,11 +312,7 @@ def constant_or_dequantized(value: ir.Value | None) -> np.ndarray | None:
 
 def quantize_array(values: np.ndarray, params: QuantParams) -> np.ndarray:
     """``clip(rint(values / scale) + zero_point)`` as QuantizeLinear computes it (half to even)."""
-    scale = params.scale.astype(np.float32)
-    zero_point = params.zero_point.astype(np.float64)
-    if scale.size > 1:
-        shape = [1] * values.ndim
-        shape[params.axis % values.ndim] = scale.size
-        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    scale = _along_axis(params.scale.astype(np.float32), params, values.ndim)
+    zero_point = _along_axis(params.zero_point.astype(np.float64), params, values.ndim)
     quantized = np.rint(values.astype(np.float32) / scale) + zero_point
     return np.clip(quantized, params.qmin, params.qmax).astype(params.dtype.numpy())
