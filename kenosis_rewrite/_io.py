@@ -328,7 +328,10 @@ def _copy_ir_model(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto | None]:
         # the input's own check: with its data when small, on the graph alone (no copy) when not
         checkable = None if tensor_bytes(model) > LAZY_LOAD_BYTES else in_memory_proto(model)
     except Exception as error:  # noqa: BLE001 - any serialisation failure means a broken model
-        raise InvalidModelError(f"The onnx_ir.Model could not be serialised: {error}") from None
+        # the cause stays chained: a missing or unreadable external-data file is not a broken graph
+        raise InvalidModelError(
+            f"The onnx_ir.Model could not be serialised or its external data read ({type(error).__name__}: {error})"
+        ) from error
     return copy, checkable
 
 

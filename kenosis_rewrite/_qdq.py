@@ -155,28 +155,44 @@ def integer_tensor(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tens
     return ir.tensor(values.astype(dtype.numpy()), dtype=dtype, name=name)
 
 
-def float_tensor_like(values: np.ndarray, like: np.ndarray, name: str) -> ir.Tensor:
-    return ir.tensor(np.asarray(values, dtype=like.dtype).reshape(like.shape), name=name)
-
-
 class NameAllocator:
-    """Hands out fresh, deterministic names for one graph (scans the graph once)."""
+    """Fresh, deterministic names for one graph: ``base``, else ``base_1``, ``base_2``...
+
+    The one way kenosis names what it adds (onnxscript skips a new initializer whose name exists,
+    and duplicate value names make an invalid model). The graph is scanned once, when the first name
+    is asked for (values, initializers and node names, subgraphs included; making an allocator that
+    names nothing costs nothing); a pass or rule then keeps one allocator for all it adds, so naming
+    N things costs one scan, not N.
+    """
 
     def __init__(self, graph: ir.Graph):
-        self._taken = set(graph.initializers)
-        self._taken.update(v.name for v in graph.inputs if v.name)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            self._taken.update(v.name for v in node.outputs if v.name)
+        self._graph = graph
+        self._taken: set[str] | None = None
+        self._next_index: dict[str, int] = {}  # per base: every ``base_i`` below it is taken
+
+    def _scan(self) -> set[str]:
+        taken = set(self._graph.initializers)
+        taken.update(v.name for v in self._graph.inputs if v.name)
+        for node in ir.traversal.RecursiveGraphIterator(self._graph):
+            taken.update(v.name for v in node.outputs if v.name)
             if node.name:
-                self._taken.add(node.name)
+                taken.add(node.name)
+        return taken
 
     def fresh(self, base: str) -> str:
-        candidate, index = base, 1
-        while candidate in self._taken:
-            candidate = f"{base}_{index}"
+        """``base`` when free, else the first free ``base_i`` (i = 1, 2...); the name is then taken."""
+        if self._taken is None:
+            self._taken = self._scan()
+        if base not in self._taken:
+            self._taken.add(base)
+            return base
+        index = self._next_index.get(base, 1)
+        while f"{base}_{index}" in self._taken:
             index += 1
-        self._taken.add(candidate)
-        return candidate
+        self._next_index[base] = index + 1
+        name = f"{base}_{index}"
+        self._taken.add(name)
+        return name
 
 
 def add_initializer(graph: ir.Graph, tensor: ir.Tensor, name: str) -> ir.Value:
@@ -209,37 +225,12 @@ def default_opset(owner: ir.Model | ir.Graph) -> int:
     return opsets.get("", opsets.get("ai.onnx", 1))
 
 
-def graph_value_names(graph: ir.Graph) -> set[str]:
-    """Every value and initializer name of ``graph`` (top level)."""
-    names = set(graph.initializers)
-    names.update(v.name for v in graph.inputs if v.name)
-    for node in graph:
-        names.update(v.name for v in node.outputs if v.name)
-    return names
-
-
-def unique_name(graph: ir.Graph | None, base: str, also_taken: set[str] | frozenset[str] = frozenset()) -> str:
-    """``base`` or ``base_N``: a name no value of ``graph`` uses yet.
-
-    Rewrite rules need this: onnxscript skips a new initializer whose name already exists.
-    """
-    taken = graph_value_names(graph) if graph is not None else set()
-    taken |= set(also_taken)
-    candidate, index = base, 1
-    while candidate in taken:
-        candidate = f"{base}_{index}"
-        index += 1
-    return candidate
-
-
-def constant_maker(op, graph: ir.Graph | None, base: str):
-    """``make(values, dtype, suffix)`` -> a new initializer value named ``{base}_{suffix}`` (made unique
-    in ``graph`` and among the ones made before), for a rule's ``rewrite(op, ...)``."""
-    taken: set[str] = set()
+def constant_maker(op, fresh, base: str):
+    """``make(values, dtype, suffix)`` -> a new initializer value named ``fresh(f"{base}_{suffix}")``, for a
+    rule's ``rewrite(op, ...)`` (``fresh``: e.g. ``NamingRule.fresh_name`` bound to the graph)."""
 
     def make(values, dtype, suffix: str) -> ir.Value:
-        name = unique_name(graph, f"{base}_{suffix}", taken)
-        taken.add(name)
+        name = fresh(f"{base}_{suffix}")
         return op.initializer(ir.tensor(np.asarray(values, dtype=dtype), name=name), name=name)
 
     return make
@@ -267,20 +258,34 @@ def dequantize_consumers(value: ir.Value) -> list[ir.Node] | None:
     return consumers
 
 
-def scalar_initializer_like(array: np.ndarray, value: float | int, dtype) -> ir.Tensor:
-    return ir.tensor(np.asarray(value, dtype=dtype).reshape(array.shape))
+def requantizable(output: ir.Value, what: str = "quantized tensor") -> list[ir.Node] | str:
+    """The DequantizeLinear nodes that alone read quantized ``output`` (so its parameters may change
+    with theirs), or why not: it is a graph output (its type and values are the interface), or
+    another node reads it. ``what`` names the tensor in that reason."""
+    if output.is_graph_output():
+        return f"{what} {output.name!r} is a graph output"
+    consumers = dequantize_consumers(output)
+    if consumers is None:
+        return f"{what} {output.name!r} is read by a non-DequantizeLinear node"
+    return consumers
+
+
+def _along_axis(array: np.ndarray, params: QuantParams, ndim: int) -> np.ndarray:
+    """A scale or zero point of ``params`` shaped to broadcast against an ``ndim``-D tensor: per-axis
+    parameters along ``params.axis``, per-tensor ones as they are."""
+    if params.scale.size <= 1:
+        return array
+    shape = [1] * ndim
+    shape[params.axis % ndim] = params.scale.size
+    return array.reshape(shape)
 
 
 def dequantize_array(data: np.ndarray, params: QuantParams) -> np.ndarray:
     """``(data - zero_point) * scale`` in float32, broadcasting per-axis parameters (not blocked)."""
     if params.block_size:
         raise ValueError("blocked parameters are not supported here")
-    scale = params.scale.astype(np.float32)
-    zero_point = params.zero_point.astype(np.float32)
-    if scale.size > 1:
-        shape = [1] * data.ndim
-        shape[params.axis % data.ndim] = scale.size
-        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    scale = _along_axis(params.scale.astype(np.float32), params, data.ndim)
+    zero_point = _along_axis(params.zero_point.astype(np.float32), params, data.ndim)
     return ((data.astype(np.float32) - zero_point) * scale).astype(np.float32)
 
 
@@ -307,11 +312,7 @@ def constant_or_dequantized(value: ir.Value | None) -> np.ndarray | None:
 
 def quantize_array(values: np.ndarray, params: QuantParams) -> np.ndarray:
     """``clip(rint(values / scale) + zero_point)`` as QuantizeLinear computes it (half to even)."""
-    scale = params.scale.astype(np.float32)
-    zero_point = params.zero_point.astype(np.float64)
-    if scale.size > 1:
-        shape = [1] * values.ndim
-        shape[params.axis % values.ndim] = scale.size
-        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    scale = _along_axis(params.scale.astype(np.float32), params, values.ndim)
+    zero_point = _along_axis(params.zero_point.astype(np.float64), params, values.ndim)
     quantized = np.rint(values.astype(np.float32) / scale) + zero_point
     return np.clip(quantized, params.qmin, params.qmax).astype(params.dtype.numpy())

@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from kenosis_rewrite import fidelity
+from kenosis_rewrite import _ort, fidelity
 from kenosis_rewrite.report import FixReport
 
 
@@ -88,15 +88,8 @@ def ort_optimized_op_types(model: onnx.ModelProto) -> collections.Counter:
     """Op types of the graph ORT CPU actually runs (ORT_ENABLE_ALL, one thread)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "optimized.onnx")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.log_severity_level = 3
-        options.optimized_model_filepath = path
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        _ort.session(model, _ort.options(1, optimized_path=path))
         return op_types(onnx.load(path))
 
 
-def sqnr_db(reference: np.ndarray, candidate: np.ndarray) -> float:
-    reference = np.asarray(reference, np.float64)
-    noise = np.sum((reference - candidate) ** 2)
-    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))
+sqnr_db = fidelity.sqnr_db

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnxruntime as ort
 
+from kenosis_rewrite import _ort
 from kenosis_rewrite.errors import RuntimeMeasurementError
 
 TURN_SECONDS = 0.2  # timed runs per turn: long enough that session switches are rare
@@ -54,13 +55,9 @@ def u8s8_saturates() -> bool:
 
 
 def session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
+    """A timing session (``threads`` intra-op threads, all optimisations); refusal is a RuntimeMeasurementError."""
     try:
-        return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+        return _ort.session(model_bytes, _ort.options(threads))
     except Exception as error:  # noqa: BLE001 - ORT raises several unrelated exception types
         raise RuntimeMeasurementError(f"ONNX Runtime could not build a session: {error}") from None
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import html
-import json
 import os
 import platform
 import sys
@@ -37,9 +35,18 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite import _io, _timing
-from kenosis_rewrite.fidelity import random_feeds
-from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError
+from kenosis_rewrite import _io, _ort, _timing
+from kenosis_rewrite.bench_report import (  # re-exported: the results were defined here
+    FP32,
+    UNSTEADY_DRIFT,
+    BenchResult,
+    LatencyStats,
+    ThroughputStats,
+    VariantResult,
+)
+from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError, one_line
+from kenosis_rewrite.fidelity import Fidelity, random_feeds
+from kenosis_rewrite.fidelity import output_fidelity as fidelity
 
 __all__ = [
     "LatencyStats",
@@ -57,8 +64,6 @@ __all__ = [
 ]
 
 ModelLike = onnx.ModelProto | bytes
-FP32 = "fp32"
-UNSTEADY_DRIFT = 0.05  # halves of a variant's runs further apart than this: the machine was not steady
 FIX_SUFFIX = "+fix"
 
 
@@ -69,13 +74,7 @@ def session_options(threads: int = 1) -> ort.SessionOptions:
     """Single-stream CPU options: ``threads`` intra-op threads, 1 inter-op, sequential, all optimisations."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    return options
+    return _ort.options(threads)
 
 
 def _model_bytes(model: ModelLike) -> bytes:
@@ -88,7 +87,7 @@ def _model_bytes(model: ModelLike) -> bytes:
 
 def _session(name: str, model: ModelLike, threads: int) -> ort.InferenceSession:
     try:
-        return ort.InferenceSession(_model_bytes(model), session_options(threads), providers=["CPUExecutionProvider"])
+        return _ort.session(_model_bytes(model), session_options(threads))
     except Exception as error:  # onnxruntime raises its own exception types
         raise RuntimeMeasurementError(f"ONNX Runtime could not load variant {name!r}: {error}") from error
 
@@ -98,36 +97,6 @@ def _run(name: str, session: ort.InferenceSession, feed: Mapping[str, np.ndarray
         return session.run(None, dict(feed))
     except Exception as error:
         raise RuntimeMeasurementError(f"ONNX Runtime failed to run variant {name!r}: {error}") from error
-
-
-@dataclasses.dataclass(frozen=True)
-class LatencyStats:
-    """Latency of one variant over its timed runs, in milliseconds."""
-
-    median_ms: float
-    p90_ms: float
-    mean_ms: float
-    min_ms: float
-    runs: int
-    # |median of the first half of the runs - median of the second half| / median: a machine that
-    # got busier (or quieter) during the measurement shows here, so a report can say so
-    drift: float = 0.0
-
-    @property
-    def fps(self) -> float:
-        """Inferences per second at the median latency."""
-        return 1000.0 / self.median_ms if self.median_ms > 0 else float("inf")
-
-    @classmethod
-    def from_seconds(cls, samples: Sequence[float]) -> LatencyStats:
-        ms = np.asarray(samples, dtype=np.float64) * 1000.0
-        median = float(np.median(ms))
-        half = len(ms) // 2
-        drift = abs(float(np.median(ms[:half])) - float(np.median(ms[half:]))) / median if half and median > 0 else 0.0
-        return cls(median, float(np.percentile(ms, 90)), float(ms.mean()), float(ms.min()), len(ms), drift)
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "fps": self.fps}
 
 
 def measure_latency(
@@ -151,26 +120,6 @@ def measure_latency(
     samples = _timing.interleaved_samples(sessions, feed, warmup=warmup, runs=runs, min_seconds=min_seconds,
                                           turn_seconds=turn_seconds)
     return {name: LatencyStats.from_seconds(times) for name, times in samples.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class ThroughputStats:
-    """Sustained throughput of ``streams`` sessions running concurrently, each on its own thread."""
-
-    streams: int
-    seconds: float
-    runs_per_stream: tuple[int, ...]
-
-    @property
-    def total_fps(self) -> float:
-        return sum(self.runs_per_stream) / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def fps_per_stream(self) -> float:
-        return self.total_fps / self.streams
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total_fps": self.total_fps, "fps_per_stream": self.fps_per_stream}
 
 
 def measure_throughput(
@@ -220,258 +169,8 @@ def measure_throughput(
     return ThroughputStats(streams, elapsed, tuple(counts))
 
 
-# --------------------------------------------------------------------------- fidelity
-
-
-@dataclasses.dataclass(frozen=True)
-class Fidelity:
-    """How close a variant's outputs are to the reference (FP32) outputs."""
-
-    cosine: float  # worst output tensor's cosine similarity, all samples concatenated
-    max_abs_err: float
-    top1_agreement: float | None  # share of argmax positions (last axis) that agree; None if not a classifier
-    samples: int
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _per_output(runs: Sequence[Sequence[np.ndarray] | np.ndarray]) -> list[list[np.ndarray]]:
-    """[sample][output] -> [output][sample]; a bare array counts as a single-output sample."""
-    normalised = [[run] if isinstance(run, np.ndarray) else list(run) for run in runs]
-    return [list(column) for column in zip(*normalised)]
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = a.astype(np.float64).ravel()
-    b = b.astype(np.float64).ravel()
-    norms = np.linalg.norm(a) * np.linalg.norm(b)
-    if norms == 0:
-        return 1.0 if np.array_equal(a, b) else 0.0
-    return float(np.dot(a, b) / norms)
-
-
-def _top1(reference: np.ndarray, candidate: np.ndarray) -> float:
-    classes = reference.shape[-1]
-    return float(np.mean(reference.reshape(-1, classes).argmax(1) == candidate.reshape(-1, classes).argmax(1)))
-
-
-def fidelity(
-    reference_outputs: Sequence[Sequence[np.ndarray] | np.ndarray],
-    outputs: Sequence[Sequence[np.ndarray] | np.ndarray],
-    class_output: int | None = None,
-) -> Fidelity:
-    """Cosine, max abs error and (when ``class_output`` names an output index) top-1 agreement.
-
-    Both arguments hold one entry per sample: the list of that sample's output arrays (or one
-    array for single-output models). Cosine is computed per output over all samples and the
-    worst output is reported; top-1 compares argmax over the last axis at every position.
-    """
-    if len(reference_outputs) != len(outputs) or not outputs:
-        raise ValueError(f"need the same, non-zero number of samples, got {len(reference_outputs)} and {len(outputs)}")
-    reference = [np.concatenate([r.ravel() for r in column]) for column in _per_output(reference_outputs)]
-    candidate = [np.concatenate([c.ravel() for c in column]) for column in _per_output(outputs)]
-    if [r.size for r in reference] != [c.size for c in candidate]:
-        raise ValueError("reference and outputs differ in number or size of output tensors")
-    cosine = min(_cosine(r, c) for r, c in zip(reference, candidate))
-    max_abs = max(float(np.max(np.abs(r.astype(np.float64) - c.astype(np.float64)), initial=0.0))
-                  for r, c in zip(reference, candidate))
-    top1 = None
-    if class_output is not None:
-        pairs = zip(_per_output(reference_outputs)[class_output], _per_output(outputs)[class_output])
-        top1 = float(np.mean([_top1(np.asarray(r), np.asarray(c)) for r, c in pairs]))
-    return Fidelity(cosine, max_abs, top1, len(outputs))
-
-
-# --------------------------------------------------------------------------- feeds
-
 # Random N(0,1) feeds for a user model (one implementation, shared with fix()'s fidelity check).
 synthetic_feeds = random_feeds
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclasses.dataclass
-class VariantResult:
-    """Everything measured for one variant (FP32, a quantize_static config, or that config fixed)."""
-
-    name: str
-    config: str | None
-    fixed: bool
-    size_bytes: int | None = None
-    node_count: int | None = None
-    integer_mac_fraction: float | None = None
-    latency: LatencyStats | None = None
-    speedup_vs_fp32: float | None = None
-    speedup_vs_unfixed: float | None = None
-    fidelity: Fidelity | None = None
-    error: str | None = None
-    build_s: float | None = None  # wall time to make this variant (the quantizer's, or fix()'s)
-    # x FP32 at the other thread counts asked for (``run_bench(also_threads=...)``)
-    speedup_by_threads: dict[int, float] = dataclasses.field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
-        data["latency"] = self.latency.to_dict() if self.latency else None
-        return data
-
-
-def _fmt(value: float | None, pattern: str, missing: str = "n/a") -> str:
-    return missing if value is None else format(value, pattern)
-
-
-def _size(size: int | None) -> str:
-    if size is None:
-        return "n/a"
-    return f"{size / 1e6:.2f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
-
-
-_COLUMNS = ("variant", "median ms", "p90 ms", "FPS", "x FP32", "x unfixed", "int MACs",
-            "cosine", "max abs err", "top-1", "size", "nodes", "build s")
-
-
-def _columns(also_threads: Sequence[int]) -> tuple[str, ...]:
-    index = _COLUMNS.index("x unfixed")
-    return _COLUMNS[:index] + tuple(f"x FP32 ({n} thr)" for n in also_threads) + _COLUMNS[index:]
-
-
-def _row(variant: VariantResult, also_threads: Sequence[int] = ()) -> list[str]:
-    lat = variant.latency
-    fid = variant.fidelity
-    mac = None if variant.integer_mac_fraction is None else 100 * variant.integer_mac_fraction
-    return [
-        variant.name,
-        _fmt(lat and lat.median_ms, ".3f"), _fmt(lat and lat.p90_ms, ".3f"), _fmt(lat and lat.fps, ".1f"),
-        _fmt(variant.speedup_vs_fp32, ".2f"),
-        *(_fmt(variant.speedup_by_threads.get(n), ".2f") for n in also_threads),
-        _fmt(variant.speedup_vs_unfixed, ".2f", "-"),
-        _fmt(mac, ".1f") + ("%" if mac is not None else ""),
-        _fmt(fid and fid.cosine, ".5f"), _fmt(fid and fid.max_abs_err, ".4g"),
-        _fmt(None if fid is None or fid.top1_agreement is None else 100 * fid.top1_agreement, ".0f", "-")
-        + ("%" if fid is not None and fid.top1_agreement is not None else ""),
-        _size(variant.size_bytes), _fmt(variant.node_count, "d"), _fmt(variant.build_s, ".1f", "-"),
-    ]
-
-
-@dataclasses.dataclass
-class BenchResult:
-    """The outcome of :func:`run_bench`: one :class:`VariantResult` per variant plus the setup."""
-
-    model: str
-    threads: int
-    runs: int
-    warmup: int
-    feeds: str  # where the inputs came from
-    variants: list[VariantResult]
-    throughput: dict[str, ThroughputStats] = dataclasses.field(default_factory=dict)
-    environment: dict[str, str] = dataclasses.field(default_factory=dict)
-    also_threads: tuple[int, ...] = ()
-
-    def variant(self, name: str) -> VariantResult:
-        for variant in self.variants:
-            if variant.name == name:
-                return variant
-        raise KeyError(name)
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.model, "threads": self.threads, "also_threads": list(self.also_threads),
-            "runs": self.runs, "warmup": self.warmup,
-            "feeds": self.feeds, "environment": dict(self.environment),
-            "variants": [variant.to_dict() for variant in self.variants],
-            "throughput": {name: stats.to_dict() for name, stats in self.throughput.items()},
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def _setup_line(self) -> str:
-        env = ", ".join(f"{k} {v}" for k, v in self.environment.items())
-        return (f"{self.threads} thread(s), {self.warmup} warm-up + at least {self.runs} interleaved runs per variant (3 s of runs for fast models); "
-                f"fidelity vs FP32 on {self.feeds}. {env}")
-
-    def stability_note(self) -> str:
-        """One sentence on how steady the machine was while timing (see :attr:`LatencyStats.drift`)."""
-        drifts = {v.name: v.latency.drift for v in self.variants if v.latency is not None}
-        if not drifts:
-            return ""
-        name = max(drifts, key=drifts.get)
-        text = f"Stability: the first and second half of each variant's runs agree within {drifts[name]:.1%} ({name})."
-        if drifts[name] > UNSTEADY_DRIFT:
-            text += " The machine's speed changed while timing: re-run on an idle machine before comparing runs."
-        return text
-
-    def to_markdown(self) -> str:
-        lines = [f"### {self.model}", "", self._setup_line(), "", self.stability_note(), "",
-                 "| " + " | ".join(_columns(self.also_threads)) + " |", "|" + "---|" * len(_columns(self.also_threads))]
-        lines += ["| " + " | ".join(_row(v, self.also_threads)) + " |" for v in self.variants if v.error is None]
-        failed = [v for v in self.variants if v.error is not None]
-        if failed:
-            lines += ["", "Failed variants:"] + [f"- {v.name}: {v.error}" for v in failed]
-        if self.throughput:
-            lines += ["", "| variant | streams | total FPS | FPS per stream |", "|---|---|---|---|"]
-            lines += [f"| {name} | {t.streams} | {t.total_fps:.1f} | {t.fps_per_stream:.1f} |"
-                      for name, t in self.throughput.items()]
-        return "\n".join(lines) + "\n"
-
-    def to_html(self) -> str:
-        """A self-contained page: an inline SVG bar chart of median latency, then the full table."""
-        title = html.escape(f"kenosis-rewrite bench: {self.model}")
-        table = _html_table(_columns(self.also_threads), [_row(v, self.also_threads) for v in self.variants if v.error is None])
-        failed = "".join(f"<li>{html.escape(v.name)}: {html.escape(v.error)}</li>"
-                         for v in self.variants if v.error is not None)
-        throughput = ""
-        if self.throughput:
-            rows = [[name, str(t.streams), f"{t.total_fps:.1f}", f"{t.fps_per_stream:.1f}"]
-                    for name, t in self.throughput.items()]
-            throughput = "<h2>Concurrent throughput</h2>" + _html_table(
-                ("variant", "streams", "total FPS", "FPS per stream"), rows)
-        return (
-            "<!DOCTYPE html><html><head><meta charset='utf-8'>"
-            f"<title>{title}</title><style>{_CSS}</style></head><body>"
-            f"<h1>{title}</h1><p>{html.escape(self._setup_line())}</p><p>{html.escape(self.stability_note())}</p>"
-            f"<h2>Median latency (ms, lower is better)</h2>{_latency_svg(self.variants)}"
-            f"<h2>Latency and fidelity</h2>{table}"
-            + (f"<h2>Failed variants</h2><ul>{failed}</ul>" if failed else "")
-            + throughput + "</body></html>\n"
-        )
-
-
-_CSS = (
-    "body{font-family:system-ui,sans-serif;margin:2em;color:#222}"
-    "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-    "td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}"
-    ".bar{fill:#4a7fb5}.bar.fix{fill:#3a9a5b}.bar.fp32{fill:#999}svg text{font-size:12px}"
-)
-
-
-def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _latency_svg(variants: Sequence[VariantResult]) -> str:
-    """Horizontal bars of median latency, one per measured variant."""
-    measured = [v for v in variants if v.latency is not None]
-    if not measured:
-        return "<p>no latency measured</p>"
-    longest = max(v.latency.median_ms for v in measured) or 1.0
-    label_w, bar_w, row_h = 150, 420, 24
-    rows = []
-    for index, variant in enumerate(measured):
-        y = index * row_h
-        width = max(1.0, bar_w * variant.latency.median_ms / longest)
-        kind = " fp32" if variant.name == FP32 else (" fix" if variant.fixed else "")
-        rows.append(
-            f"<text x='0' y='{y + 16}'>{html.escape(variant.name)}</text>"
-            f"<rect class='bar{kind}' x='{label_w}' y='{y + 4}' width='{width:.1f}' height='{row_h - 8}'/>"
-            f"<text x='{label_w + width + 6:.1f}' y='{y + 16}'>{variant.latency.median_ms:.3f} ms</text>"
-        )
-    height = row_h * len(measured)
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{label_w + bar_w + 110}' height='{height}' "
-            f"role='img' aria-label='median latency per variant'>{''.join(rows)}</svg>")
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -534,24 +233,24 @@ def _resolve_inputs(model: str, calibration_samples: int, cache_dir: str | None,
     return _path_inputs(model, calibration_samples)
 
 
-def _integer_mac_fraction(model: onnx.ModelProto, threads: int) -> float | None:
+def _integer_mac_fraction(variant: VariantResult, model: onnx.ModelProto, threads: int) -> float | None:
+    """explain()'s integer MAC share; None (n/a) when explain fails, the cause kept in ``variant.notes``.
+    explain's own notes (e.g. shapes it measured, or could not) are kept there too."""
     try:
         from kenosis_rewrite.explain import explain  # noqa: PLC0415
 
-        return float(explain(model, threads=threads).integer_mac_fraction)
-    except Exception:  # explain is informative only: n/a rather than a failed benchmark
+        report = explain(model, threads=threads)
+    except Exception as error:  # noqa: BLE001 - informative only: n/a and a note, not a failed variant
+        variant.notes.append(f"integer MAC share not measured: explain() failed ({one_line(error)})")
         return None
+    variant.notes.extend(f"explain: {note}" for note in getattr(report, "notes", ()))
+    return float(report.integer_mac_fraction)
 
 
 def _outputs(name: str, model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
              threads: int) -> list[list[np.ndarray]]:
     session = _session(name, model, threads)
     return [_run(name, session, feed) for feed in feeds]
-
-
-def _error_text(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 class _Variants:
@@ -570,7 +269,7 @@ class _Variants:
         try:
             model = build()
         except Exception as error:  # noqa: BLE001 - one variant's failure is a finding, not the bench's
-            self.results.append(VariantResult(name, config, fixed, error=_error_text(error)))
+            self.results.append(VariantResult(name, config, fixed, error=one_line(error)))
             return None
         result = VariantResult(name, config, fixed, build_s=time.perf_counter() - start)
         if isinstance(model, tuple):  # (model, seconds the tool itself reports)
@@ -646,12 +345,12 @@ def _describe(variant: VariantResult, model: onnx.ModelProto, inputs: _Inputs,
     """Fill size, node count, integer MAC share and fidelity of one variant (errors recorded)."""
     variant.size_bytes = model.ByteSize()
     variant.node_count = len(model.graph.node)
-    variant.integer_mac_fraction = _integer_mac_fraction(model, threads)
+    variant.integer_mac_fraction = _integer_mac_fraction(variant, model, threads)
     try:
         outputs = _outputs(variant.name, model, inputs.evaluation, threads)
         variant.fidelity = fidelity(reference, outputs, inputs.class_output)
     except (KenosisError, ValueError) as error:
-        variant.error = _error_text(error)
+        variant.error = one_line(error)
 
 
 def _max_drift(latencies: Mapping[str, LatencyStats]) -> float:
@@ -825,7 +524,11 @@ def _progress_printer(stream=sys.stderr) -> Callable[[str], None]:
 
 
 def bench_main(argv: Sequence[str] | None = None) -> int:
-    """``kenosis-rewrite bench``: run the benchmark, print markdown to stdout; 0 ok, 1 refused, 2 usage."""
+    """``kenosis-rewrite bench``: run the benchmark, print markdown to stdout.
+
+    Exit status: 0 every variant measured, 1 refused (bad model, unknown config), 2 usage, 3 some
+    variants failed (the report lists each with its cause; the others are measured and written).
+    """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     try:
@@ -854,4 +557,4 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
     for path, text in ((args.json, result.to_json()), (args.markdown, markdown), (args.html, result.to_html())):
         if path:
             _write(path, text)
-    return 0
+    return 3 if any(variant.error is not None for variant in result.variants) else 0

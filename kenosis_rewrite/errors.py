@@ -63,3 +63,9 @@ class RuntimeMeasurementError(KenosisError):
 
 class RewriteError(KenosisError):
     """A rewrite produced a model that fails validation; nothing is returned rather than a broken model."""
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """``"TypeName: first line of the message"``, at most ``limit`` characters: a cause kept in a report or note."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:limit]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite import _io
+from kenosis_rewrite import _io, _ort
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
 __all__ = ["random_feeds", "session", "run", "cosine", "sqnr_db", "compare_to_float"]
@@ -21,7 +22,7 @@ _NUMPY_OF_ONNX = {
 }
 
 
-def _concrete_shape(value: onnx.ValueInfoProto) -> list[int]:
+def concrete_shape(value: onnx.ValueInfoProto) -> list[int]:
     """Static dims kept; a dynamic batch (first) dim -> 1; other dynamic dims -> 224 (images) or 128."""
     dims = value.type.tensor_type.shape.dim
     return [
@@ -45,7 +46,7 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
             dtype = _NUMPY_OF_ONNX.get(value.type.tensor_type.elem_type)
             if dtype is None:
                 raise KenosisError(f"cannot make random data for input {value.name!r} of this type")
-            shape = _concrete_shape(value)
+            shape = concrete_shape(value)
             floating = np.issubdtype(dtype, np.floating)
             feed[value.name] = rng.standard_normal(shape).astype(dtype) if floating else np.zeros(shape, dtype)
         feeds.append(feed)
@@ -57,12 +58,7 @@ def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSess
 
     ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
     """
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 3
-    if not optimized:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return _ort.session(model, _ort.options(1, level="all" if optimized else "none"))
 
 
 def _session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
@@ -89,6 +85,13 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     if denominator == 0:
         return 1.0 if np.array_equal(a, b) else 0.0
     return float(np.dot(a, b) / denominator)
+
+
+def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """Share of positions whose argmax over the last axis (the classes) agrees."""
+    reference, candidate = np.asarray(reference), np.asarray(candidate)
+    classes = reference.shape[-1]
+    return float(np.mean(reference.reshape(-1, classes).argmax(1) == candidate.reshape(-1, classes).argmax(1)))
 
 
 def sqnr_db(reference: np.ndarray, candidate: np.ndarray) -> float:
@@ -133,3 +136,52 @@ def compare_to_float(
     feeds = list(feeds) if feeds is not None else random_feeds(reference_model)
     reference = run(reference_model, feeds, optimized)
     return {name: _scores(reference, run(model, feeds, optimized)) for name, model in candidates.items()}
+
+
+# ------------------------------------------------------------------ per-output fidelity (the benchmark's)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fidelity:
+    """How close a variant's outputs are to the reference (FP32) outputs."""
+
+    cosine: float  # worst output tensor's cosine similarity, all samples concatenated
+    max_abs_err: float
+    top1_agreement: float | None  # share of argmax positions (last axis) that agree; None if not a classifier
+    samples: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _per_output(runs: Sequence[Sequence[np.ndarray] | np.ndarray]) -> list[list[np.ndarray]]:
+    """[sample][output] -> [output][sample]; a bare array counts as a single-output sample."""
+    normalised = [[run] if isinstance(run, np.ndarray) else list(run) for run in runs]
+    return [list(column) for column in zip(*normalised)]
+
+
+def output_fidelity(
+    reference_outputs: Sequence[Sequence[np.ndarray] | np.ndarray],
+    outputs: Sequence[Sequence[np.ndarray] | np.ndarray],
+    class_output: int | None = None,
+) -> Fidelity:
+    """Cosine, max abs error and (when ``class_output`` names an output index) top-1 agreement.
+
+    Both arguments hold one entry per sample: the list of that sample's output arrays (or one
+    array for single-output models). Cosine is computed per output over all samples and the
+    worst output is reported; top-1 compares argmax over the last axis at every position.
+    """
+    if len(reference_outputs) != len(outputs) or not outputs:
+        raise ValueError(f"need the same, non-zero number of samples, got {len(reference_outputs)} and {len(outputs)}")
+    reference = [np.concatenate([r.ravel() for r in column]) for column in _per_output(reference_outputs)]
+    candidate = [np.concatenate([c.ravel() for c in column]) for column in _per_output(outputs)]
+    if [r.size for r in reference] != [c.size for c in candidate]:
+        raise ValueError("reference and outputs differ in number or size of output tensors")
+    worst = min(cosine(r, c) for r, c in zip(reference, candidate))
+    max_abs = max(float(np.max(np.abs(r.astype(np.float64) - c.astype(np.float64)), initial=0.0))
+                  for r, c in zip(reference, candidate))
+    top1 = None
+    if class_output is not None:
+        pairs = zip(_per_output(reference_outputs)[class_output], _per_output(outputs)[class_output])
+        top1 = float(np.mean([top1_agreement(r, c) for r, c in pairs]))
+    return Fidelity(worst, max_abs, top1, len(outputs))

@@ -76,12 +76,13 @@ def _unrounded_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     from kenosis_rewrite.passes.dequantize import remove_qdq_pair  # noqa: PLC0415 - avoid an import cycle
 
     copy = ir.serde.deserialize_model(model)
+    names = _qdq.NameAllocator(copy.graph)
     for node in list(copy.graph):
         params = _qdq.quant_params(node) if _qdq.is_quantize(node) else None
         if params is None or not params.is_per_tensor or _qdq.const_array(node.inputs[0]) is not None:
             continue
         limits = value_range.quantizer_range(params)
-        remove_qdq_pair(node, (limits.lo, limits.hi))
+        remove_qdq_pair(node, (limits.lo, limits.hi), names)
     common_passes.RemoveUnusedNodesPass()(copy)
     return ir.serde.serialize_model(copy)
 

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
-from onnxscript.rewriter import RewriteRuleSet
+from onnxscript.rewriter import RewritePass, RewriteRuleSet
 
 from kenosis_rewrite import _io, _qdq, _timing
 from kenosis_rewrite.errors import KenosisError, RewriteError
@@ -60,21 +60,10 @@ def rules(target: str = "ort-cpu", report: FixReport | None = None) -> RewriteRu
     return RewriteRuleSet(get_target(target).rules(report))
 
 
-class RewriteRulesPass(ir.passes.InPlacePass):
-    """Apply a rule set until nothing more matches (bounded number of rounds)."""
-
-    def __init__(self, rule_set: RewriteRuleSet):
-        super().__init__()
-        self.rule_set = rule_set
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        total = 0
-        for _ in range(_MAX_REWRITE_ROUNDS):
-            count = self.rule_set.apply_to_model(model)
-            total += count
-            if count == 0:
-                break
-        return ir.passes.PassResult(model, modified=total > 0)
+def _rewrite_until_done(rule_set: RewriteRuleSet) -> ir.passes.PassManager:
+    """onnxscript's ``RewritePass`` of ``rule_set``, repeated until nothing more matches (at most
+    ``_MAX_REWRITE_ROUNDS`` rounds): a rewrite can create the next one's match."""
+    return ir.passes.PassManager([RewritePass(rule_set)], steps=_MAX_REWRITE_ROUNDS, early_stop=True)
 
 
 class CleanupPass(ir.passes.InPlacePass):
@@ -131,7 +120,7 @@ class FixPass(ir.passes.InPlacePass):
         steps = ir.passes.Sequential(
             *self._enabled(first + target.pre_passes(self.report)),
             common_passes.RemoveUnusedNodesPass(),  # rules count consumers: dead readers must go first
-            RewriteRulesPass(RewriteRuleSet(self._enabled(target.rules(self.report)))),
+            _rewrite_until_done(RewriteRuleSet(self._enabled(target.rules(self.report)))),
             # post passes move Q/DQ and change parameters: repeat them until nothing changes, so a
             # second fix() finds nothing left to do (idempotence)
             ir.passes.PassManager(self._enabled(target.post_passes(self.report)), steps=_MAX_REWRITE_ROUNDS),
@@ -141,7 +130,7 @@ class FixPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=result.modified)
 
 
-def _interface(proto: onnx.ModelProto) -> tuple:
+def interface(proto: onnx.ModelProto) -> tuple:
     """What fix() promises to keep: graph inputs/outputs with their types, opsets, metadata."""
     return (
         [(v.name, v.type.SerializeToString()) for v in proto.graph.input],
@@ -161,7 +150,7 @@ def _passes_full_check(proto: onnx.ModelProto) -> str | None:
 
 
 def _validate(before: onnx.ModelProto, after: onnx.ModelProto, report: FixReport) -> None:
-    if _interface(before) != _interface(after):
+    if interface(before) != interface(after):
         raise RewriteError(
             "internal error: the rewrite changed the model's interface (inputs, outputs, opsets or "
             "metadata); no model is returned. Please report this with the model."

@@ -2,7 +2,7 @@
 
 ``profile(model, feed)`` runs the model with ORT's profiler and maps each kernel of the graph ORT
 actually runs back to the Conv/ConvTranspose/MatMul/Gemm it implements (through
-:func:`kenosis_rewrite.explain.match_optimized`). The time of each heavy op is split into its own
+:func:`kenosis_rewrite.ort_graph.match_optimized`). The time of each heavy op is split into its own
 kernel and its *overhead*: the DequantizeLinear/QuantizeLinear and float island kernels between it
 and the neighbouring integer kernels, which exist only because the op is quantized.
 
@@ -24,9 +24,9 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from kenosis_rewrite import _io
+from kenosis_rewrite import _io, _ort
 from kenosis_rewrite.errors import RuntimeMeasurementError
-from kenosis_rewrite.explain import FLOAT_HEAVY_OPS, INTEGER_KERNELS, match_optimized
+from kenosis_rewrite.ort_graph import FLOAT_HEAVY_OPS, INTEGER_KERNELS, match_optimized, write_model
 
 __all__ = ["LayerTime", "ModelProfile", "profile"]
 
@@ -73,17 +73,8 @@ class ModelProfile:
 
 
 def _session(path: str, optimized_path: str, prefix: str, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    options.enable_profiling = True
-    options.profile_file_prefix = prefix
-    options.optimized_model_filepath = optimized_path
-    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
-    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     try:
-        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        return _ort.session(path, _ort.options(threads, optimized_path=optimized_path, profile_prefix=prefix))
     except Exception as error:  # noqa: BLE001 - ORT raises several unrelated exception types
         raise RuntimeMeasurementError(f"ONNX Runtime could not build a session for the model: {error}") from None
 
@@ -131,8 +122,7 @@ def profile(
     """Profile ``model`` on ``feed`` and attribute kernel time to its heavy ops."""
     loaded = _io.load(model, require_qdq=False)
     with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "model.onnx")
-        ir.save(loaded.model, path)
+        path = write_model(loaded.model, directory, "model")
         optimized_path = os.path.join(directory, "optimized.onnx")
         session = _session(path, optimized_path, os.path.join(directory, "trace"), threads)
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 
 import kenosis_rewrite
 from kenosis_rewrite import ort_quantize, profiler, toy_models
@@ -19,7 +18,6 @@ def test_profile_attributes_kernels_and_overhead_to_heavy_ops():
     # the HardSwish island (DQ -> HardSigmoid -> Mul -> Q) is overhead of the first Conv
     assert result.layers[convs[0]].overhead_us > 0
     assert "HardSigmoid" in result.by_op_type()
-    assert result.total_us == pytest.approx(sum(result.node_us.values()))
     assert convs[0] in result.summary()
 
 

@@ -25,6 +25,7 @@ import onnx
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq, value_range
+from kenosis_rewrite.passes._base import remove_unused_nodes
 from kenosis_rewrite.passes.dequantize import IMPLIED, remove_qdq_pair
 from kenosis_rewrite.passes.shape_arithmetic import Origin, value_origins
 from kenosis_rewrite.report import FixReport
@@ -88,10 +89,7 @@ class OutputProtectionPass(ir.passes.InPlacePass):
                 modified = True
                 if self.report is not None:
                     self.report.changed(OUTPUT_RULE, name or "output", "graph output computed in float", exact=False)
-        if modified:
-            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-            RemoveUnusedNodesPass()(model)
+        remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)
 
 

@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
-from kenosis_rewrite import _io, _qdq, fidelity
+from kenosis_rewrite import _io, _ort, _qdq, fidelity
 from kenosis_rewrite.bias_correction import first_input_readers, float_counterpart
+from kenosis_rewrite.passes._base import remove_unused_nodes
 from kenosis_rewrite.passes.dequantize import dequantize_constants, remove_qdq_pair
 from kenosis_rewrite.report import FixReport
 
@@ -74,11 +74,7 @@ def _with_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelPro
 
 
 def _run_all(proto: onnx.ModelProto, names: list[str], feeds) -> dict[str, list[np.ndarray]]:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(_with_outputs(proto, names).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+    session = _ort.session(_with_outputs(proto, names), _ort.options(None, level="none"))
     available = {o.name for o in session.get_outputs()}
     wanted = [n for n in names if n in available]
     results: dict[str, list[np.ndarray]] = {n: [] for n in wanted}
@@ -172,23 +168,21 @@ def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = 
     The Q/DQ pairs on the layer's input and output are removed even when a neighbour then loses
     its integer kernel: fidelity first; the report says which layers, and the benchmark what it costs.
     """
-    wanted, float_nodes, count = set(names), set(), 0
+    wanted, count = set(names), 0
+    fresh = _qdq.NameAllocator(model.graph)
     for node in list(model.graph):
         if node.name not in wanted or node.op_type not in _qdq.WEIGHTED_OPS:
             continue
-        float_nodes.add(id(node))
-        dequantize_constants(node, model.graph)
+        dequantize_constants(node, model.graph, names=fresh)
         dq = node.inputs[0].producer() if node.inputs[0] is not None else None
         if _qdq.is_dequantize(dq) and _qdq.is_quantize(dq.inputs[0].producer()):
-            remove_qdq_pair(dq.inputs[0].producer())
+            remove_qdq_pair(dq.inputs[0].producer(), names=fresh)
         for quantize in _output_quantizers(node):
-            remove_qdq_pair(quantize)
+            remove_qdq_pair(quantize, names=fresh)
         count += 1
         if report is not None:
             report.changed(RULE_NAME, node.name, (reasons or {}).get(node.name, "kept in FP32"), exact=False)
-    from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-    RemoveUnusedNodesPass()(model)
+    remove_unused_nodes(model)
     return count
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from onnxscript.rewriter._rewrite_rule import RewriteRule
+from onnxscript.rewriter import RewriteRule
 
 from kenosis_rewrite.errors import UnsupportedTargetError
 from kenosis_rewrite.passes.activation_hoist import ActivationBeforeDataMovementPass

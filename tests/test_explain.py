@@ -430,3 +430,67 @@ def test_attention_products_are_explained_as_float_by_design():
     assert sorted(floats) == ["layer0.attn/PV", "layer0.attn/QK"]
     assert all(op.reason == R_ACTIVATION_PRODUCT and op.fixing_rule is None for op in floats.values())
     assert len(report.ops) - len(floats) == 6  # the weight MatMuls/Gemms run integer
+
+
+def _same_padded_convs(runtime_pads: bool, size: int = 224) -> onnx.ModelProto:
+    """Three Pad -> Conv -> Relu blocks with TF-style SAME padding; ``runtime_pads``: pads computed from the
+    input's shape at run time (Shape -> arithmetic -> Concat, input dims symbolic), else constant pads."""
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+
+    def const(name, array):
+        inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    x, channels = "x", 3
+    for i, (cout, k, s) in enumerate([(8, 3, 2), (16, 3, 2), (16, 3, 1)]):
+        w = const(f"w{i}", rng.standard_normal((cout, channels, k, k)).astype(np.float32) * 0.3)
+        b = const(f"b{i}", rng.standard_normal(cout).astype(np.float32) * 0.1)
+        if runtime_pads:
+            c = {n: const(f"{n}{i}", np.array([v, v], np.int64)) for n, v in (("s", s), ("k", k), ("one", 1),
+                                                                                 ("zero", 0), ("two", 2))}
+            steps = [("Shape", [x], "hw"), ("Add", ["hw", c["s"]], "a"), ("Sub", ["a", c["one"]], "a1"),
+                     ("Div", ["a1", c["s"]], "ceil"), ("Sub", ["ceil", c["one"]], "c1"), ("Mul", ["c1", c["s"]], "m"),
+                     ("Add", ["m", c["k"]], "mk"), ("Sub", ["mk", "hw"], "t0"), ("Max", ["t0", c["zero"]], "tot"),
+                     ("Div", ["tot", c["two"]], "beg"), ("Sub", ["tot", "beg"], "end"),
+                     ("Concat", [c["zero"], "beg", c["zero"], "end"], "pads")]
+            local = {out for _, _, out in steps}
+            for op, inputs, out in steps:
+                attrs = {"Shape": {"start": 2, "end": 4}, "Concat": {"axis": 0}}.get(op, {})
+                names = [f"{n}{i}" if n in local else n for n in inputs]
+                nodes.append(helper.make_node(op, names, [f"{out}{i}"], **attrs))
+        else:
+            total = max((-(-size // s) - 1) * s + k - size, 0)
+            const(f"pads{i}", np.array([0, 0, total // 2, total // 2, 0, 0, total - total // 2, total - total // 2]))
+            size = -(-size // s)
+        nodes += [helper.make_node("Pad", [x, f"pads{i}"], [f"p{i}"]),
+                  helper.make_node("Conv", [f"p{i}", w, b], [f"c{i}"], strides=[s, s]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        x, channels = f"r{i}", cout
+    shape = ["N", 3, "H", "W"] if runtime_pads else [1, 3, 224, 224]
+    graph = helper.make_graph(nodes, "same_pads", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 3, 224, 224)).astype(np.float32)} for i in range(2)]
+    return ort_quantize.quantize_with_ort(model, feeds, "u8s8")
+
+
+def test_runtime_shapes_count_macs_as_static_and_name_float_pad_islands():
+    static, runtime = explain(_same_padded_convs(False)), explain(_same_padded_convs(True))
+    assert static.total_macs > 10_000_000
+    assert abs(runtime.total_macs - static.total_macs) <= 0.1 * static.total_macs
+    assert any("measured on one ONNX Runtime run" in note for note in runtime.notes)
+    pads = [island for island in runtime.float_islands if "Pad" in island.op_types]
+    assert len(pads) == 3 and all("pads are computed at run time" in island.reason for island in pads)
+    assert "Note: shapes of" in runtime.summary()
+
+
+def test_explain_does_not_modify_its_input():
+    model = quantized("conv_relu", "u8s8")
+    before = model.SerializeToString()
+    explain(model)
+    assert model.SerializeToString() == before
+    as_ir = ir.serde.deserialize_model(model)
+    before_ir = ir.serde.serialize_model(as_ir).SerializeToString()
+    explain(as_ir)
+    assert ir.serde.serialize_model(as_ir).SerializeToString() == before_ir

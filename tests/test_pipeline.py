@@ -10,6 +10,7 @@ import pytest
 
 import kenosis_rewrite
 from kenosis_rewrite import _testing, ort_quantize, toy_models
+from kenosis_rewrite.targets import TARGETS
 
 CONFIGS = ["default", "u8s8", "sym", "keep", "convmm", "pc"]
 NETS = ["resnetish", "conv_add_relu", "conv_clip_maxpool", "concat", "conv_silu", "conv_prelu", "gap_head",
@@ -157,3 +158,70 @@ def test_external_data_models_keep_their_weights(tmp_path):
     assert (tmp_path / "out" / "fixed.data").stat().st_size > 0
     reloaded = onnx.load(tmp_path / "out" / "fixed.onnx")
     np.testing.assert_array_equal(_testing.outputs(reloaded, feeds[0])[0], expected)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_fix_is_idempotent_for_every_target(target):
+    _, _, qdq = _quantized("resnetish", "default")
+    once = kenosis_rewrite.fix(qdq, target=target)
+    twice, report = kenosis_rewrite.fix(once, target=target, return_report=True)
+    assert twice.SerializeToString() == once.SerializeToString(), target
+    assert not report.changes
+
+
+def test_a_model_over_the_protobuf_limit_is_a_typed_error(monkeypatch):
+    from kenosis_rewrite import _io
+
+    _, _, qdq = _quantized("conv_relu", "default")
+    monkeypatch.setattr(_io, "_PROTOBUF_LIMIT", qdq.ByteSize() - 1)
+    with pytest.raises(kenosis_rewrite.ModelTooLargeError, match="2 GB"):
+        kenosis_rewrite.fix(qdq)
+
+
+def test_quantize_does_not_modify_its_input():
+    model = toy_models.build("conv_relu")
+    feeds = toy_models.random_feeds(model, 4)
+    before = model.SerializeToString()
+    kenosis_rewrite.quantize(model, calibration=feeds)
+    assert model.SerializeToString() == before
+    as_ir = ir.serde.deserialize_model(model)
+    before_ir = ir.serde.serialize_model(as_ir).SerializeToString()
+    kenosis_rewrite.quantize(as_ir, calibration=feeds)
+    assert ir.serde.serialize_model(as_ir).SerializeToString() == before_ir
+
+
+def _breaking_fix_pass(monkeypatch, damage):
+    """FixPass as usual, then ``damage(model)``: a stand-in for a rule with a bug."""
+    from kenosis_rewrite import pipeline
+
+    real = pipeline.FixPass.call
+
+    def call(self, model):
+        result = real(self, model)
+        damage(model)
+        return result
+
+    monkeypatch.setattr(pipeline.FixPass, "call", call)
+
+
+def test_a_rewrite_that_changes_the_interface_is_a_rewrite_error(monkeypatch):
+    _, _, qdq = _quantized("conv_relu", "default")
+
+    def rename_output(model):
+        model.graph.outputs[0].name = "renamed"
+
+    _breaking_fix_pass(monkeypatch, rename_output)
+    with pytest.raises(kenosis_rewrite.RewriteError, match="interface"):
+        kenosis_rewrite.fix(qdq, verify=False)
+
+
+def test_a_rewrite_that_breaks_the_checker_is_a_rewrite_error(monkeypatch):
+    _, _, qdq = _quantized("conv_relu", "default")
+
+    def add_bad_node(model):
+        output = model.graph.outputs[0]
+        model.graph.append(ir.node("Relu", [output, output], name="two_inputs"))  # Relu takes one input
+
+    _breaking_fix_pass(monkeypatch, add_bad_node)
+    with pytest.raises(kenosis_rewrite.RewriteError, match="ONNX checker"):
+        kenosis_rewrite.fix(qdq, verify=False)

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite import _io
+from kenosis_rewrite import _io, _ort
 from kenosis_rewrite.calibration.histogram import METHODS, StreamingHistogram, range_from_histogram
 from kenosis_rewrite.errors import KenosisError
 
@@ -191,11 +191,8 @@ def _augmented(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.log_severity_level = 3
     try:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return _ort.session(model, _ort.options(None, level="basic"))
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"ONNX Runtime cannot load the model for calibration: {error}") from None
 

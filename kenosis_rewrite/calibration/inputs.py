@@ -44,8 +44,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kenosis_rewrite import _io, _ort
 from kenosis_rewrite.calibration.collect import CalibrationError, _float_proto, _graph_inputs
-from kenosis_rewrite import _io
+from kenosis_rewrite.errors import one_line
 
 __all__ = ["InputSpec", "infer_inputs", "synthetic_feeds", "iter_synthetic_feeds", "natural_image",
            "CANDIDATE_PREPROCESSING", "describe"]
@@ -190,9 +191,9 @@ def _affine_apply(graph: _Graph, affine: list, x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _conv_response(graph: _Graph, conv: onnx.NodeProto, x: np.ndarray) -> np.ndarray | None:
-    """First-Conv output (without bias) for NCHW ``x``, via a one-node ORT model."""
-    import onnxruntime as ort
+def _conv_response(graph: _Graph, conv: onnx.NodeProto, x: np.ndarray, failures: list[str]) -> np.ndarray | None:
+    """First-Conv output (without bias) for NCHW ``x``, via a one-node ORT model; None when there is
+    none (why ORT could not give one is appended to ``failures``)."""
 
     weight = graph.constant(conv.input[1])
     if weight is None or weight.ndim != 4:
@@ -207,9 +208,10 @@ def _conv_response(graph: _Graph, conv: onnx.NodeProto, x: np.ndarray) -> np.nda
     model = onnx.helper.make_model(graph_proto, opset_imports=[onnx.helper.make_opsetid("", 17)])
     model.ir_version = 8
     try:
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = _ort.session(model, _ort.options(None))
         return session.run(None, {"x": x.astype(np.float32)})[0]
-    except Exception:  # noqa: BLE001 - a heuristic: no answer rather than an error
+    except Exception as error:  # noqa: BLE001 - a heuristic: no answer, and the reason says why
+        failures.append(f"the first Conv alone did not run in ONNX Runtime ({one_line(error, 200)})")
         return None
 
 
@@ -246,8 +248,9 @@ def _preprocessed(pixels: np.ndarray, scale: float, mean, std, channels: int) ->
     return ((pixels[..., :channels] * scale - mean) / std).transpose(0, 3, 1, 2)
 
 
-def _infer_normalisation(graph: _Graph, found, channels: int, rng) -> tuple[float, tuple, tuple, str]:
-    """(pixel scale, mean, std, reason) for an image input; see the module docstring."""
+def _infer_normalisation(graph: _Graph, found, channels: int, rng, failures: list[str]) -> tuple[float, tuple, tuple, str]:
+    """(pixel scale, mean, std, reason) for an image input; see the module docstring. Probes that
+    failed are appended to ``failures``."""
     probe = np.stack([natural_image(64, 64, rng) for _ in range(4)])
     if found is not None and found[2]:
         affine = found[2]
@@ -268,7 +271,7 @@ def _infer_normalisation(graph: _Graph, found, channels: int, rng) -> tuple[floa
         bn = _batchnorm_after(graph, conv)
         scores = {}
         for name, (scale, mean, std) in CANDIDATE_PREPROCESSING.items():
-            response = _conv_response(graph, conv, _preprocessed(probe, scale, mean, std, channels))
+            response = _conv_response(graph, conv, _preprocessed(probe, scale, mean, std, channels), failures)
             score = None if response is None else _candidate_score(response, bias, bn)
             if score is not None:
                 scores[name] = score
@@ -297,11 +300,11 @@ def _reachable_conv(graph: _Graph, name: str, max_depth: int = 24) -> onnx.NodeP
 
 
 def _probe_through_model(graph: _Graph, value, shape: tuple[int, ...], layout: str, conv: onnx.NodeProto,
-                         candidates: dict, rng) -> dict[str, float]:
+                         candidates: dict, rng, failures: list[str]) -> dict[str, float]:
     """Score candidate preprocessings by running the model up to the first Conv (whatever lies before
     it: Focus slicing, in-graph normalisation) and comparing its output with the statistics it was
-    trained for (the following BatchNormalization, or the Conv bias of a folded one)."""
-    import onnxruntime as ort
+    trained for (the following BatchNormalization, or the Conv bias of a folded one). Empty when no
+    candidate could be scored; a failed run is appended to ``failures``."""
 
     bias = graph.constant(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else None
     bn = _batchnorm_after(graph, conv)
@@ -312,10 +315,9 @@ def _probe_through_model(graph: _Graph, value, shape: tuple[int, ...], layout: s
     del model.graph.output[:]
     model.graph.output.append(onnx.ValueInfoProto(name=conv.output[0]))
     try:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception:  # noqa: BLE001 - a heuristic: no answer rather than an error
+        session = _ort.session(model, _ort.options(None))
+    except Exception as error:  # noqa: BLE001 - a heuristic: no answer, and the reason says why
+        failures.append(f"the model up to the first Conv did not load in ONNX Runtime ({one_line(error, 200)})")
         return {}
     height, width = (shape[2], shape[3]) if layout == "NCHW" else (shape[1], shape[2])
     channels = shape[1] if layout == "NCHW" else shape[3]
@@ -332,7 +334,8 @@ def _probe_through_model(graph: _Graph, value, shape: tuple[int, ...], layout: s
         x = x if layout == "NCHW" else x.transpose(0, 2, 3, 1)
         try:
             response = session.run(None, {value.name: x.astype(np.float32), **others})[0].astype(np.float64)
-        except Exception:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"the model up to the first Conv did not run ({one_line(error, 200)})")
             return {}
         if response.ndim != 4:
             return {}
@@ -364,20 +367,24 @@ def _image_spec(graph: _Graph, value, dims, symbols, rng) -> InputSpec | None:
     for axis in spatial:
         defaults[axis] = size
     shape = _resolve(dims, defaults, symbols)
-    scale, mean, std, how = _infer_normalisation(graph, found, channels, rng)
+    failures: list[str] = []
+    scale, mean, std, how = _infer_normalisation(graph, found, channels, rng, failures)
     direct_conv_scored = found is not None and not found[2] and "first Conv vs" in how
     if not direct_conv_scored:
         conv = _reachable_conv(graph, value.name)
         in_graph = found is not None and found[2]
         candidates = ({k: CANDIDATE_PREPROCESSING[k] for k in ("unit", "pixels")} if in_graph
                       else CANDIDATE_PREPROCESSING)
-        scores = _probe_through_model(graph, value, shape, layout, conv, candidates, rng) if conv is not None else {}
+        scores = (_probe_through_model(graph, value, shape, layout, conv, candidates, rng, failures)
+                  if conv is not None else {})
         if scores:
             best = min(scores, key=scores.get)
             scale, mean, std = CANDIDATE_PREPROCESSING[best]
             probe = f"model run to the first Conv ({conv.name or conv.output[0]}) vs its statistics"
             how = (f"in-graph normalisation, {probe}: raw pixels in [0, {scale:g}]" if in_graph
                    else f"{probe}: {best} preprocessing")
+    if failures and not direct_conv_scored and not scores:
+        how += "; probes failed: " + "; ".join(dict.fromkeys(failures))
     return InputSpec(value.name, _NP.get(value.type.tensor_type.elem_type, np.float32), shape, "image",
                      f"{layout} ({why}); {how}", layout, None, scale, tuple(mean), tuple(std))
 

@@ -47,12 +47,13 @@ class BiasRescalePass(ReportingPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
+        names = _qdq.NameAllocator(model.graph)  # one scan of the graph for every bias rescaled
         for node in list(model.graph):
             if node.op_type in _BIASED_OPS and node.domain in ("", "ai.onnx"):
-                modified |= self._rescale(model.graph, node)
+                modified |= self._rescale(model.graph, names, node)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _rescale(self, graph: ir.Graph, node: ir.Node) -> bool:
+    def _rescale(self, graph: ir.Graph, names: _qdq.NameAllocator, node: ir.Node) -> bool:
         dq_x, dq_w, dq_b = (_dequantized_input(node, i) for i in range(3))
         if dq_x is None or dq_w is None or dq_b is None:
             return False
@@ -86,16 +87,16 @@ class BiasRescalePass(ReportingPass):
         clamped = int(np.count_nonzero((requantized < _INT32.min) | (requantized > _INT32.max)))
         requantized = np.clip(requantized, _INT32.min, _INT32.max).astype(np.int32)
         base = dq_b.inputs[0].name or "bias"
-        data_name = _qdq.unique_name(graph, f"{base}_rescaled")
-        scale_name = _qdq.unique_name(graph, f"{base}_rescaled_scale")
+        data_name = names.fresh(f"{base}_rescaled")
+        scale_name = names.fresh(f"{base}_rescaled_scale")
         data = _qdq.add_initializer(graph, ir.tensor(requantized, name=data_name), data_name)
         scale_value = _qdq.add_initializer(graph, ir.tensor(scale, name=scale_name), scale_name)
         if len(dq_b.outputs[0].uses()) > 1:
             replacement = ir.Node(
                 "", "DequantizeLinear", [data, scale_value],
-                name=_qdq.unique_name(graph, f"{dq_b.name or 'bias'}_rescaled"),
+                name=names.fresh(f"{dq_b.name or 'bias'}_rescaled"),
             )
-            replacement.outputs[0].name = _qdq.unique_name(graph, f"{base}_rescaled_dequantized")
+            replacement.outputs[0].name = names.fresh(f"{base}_rescaled_dequantized")
             graph.insert_before(node, replacement)
             node.replace_input_with(2, replacement.outputs[0])
             dq_node = replacement

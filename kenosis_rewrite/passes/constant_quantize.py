@@ -31,6 +31,7 @@ class FoldConstantQuantizePass(ReportingPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, modified = model.graph, False
+        names = _qdq.NameAllocator(graph)  # one scan of the graph for every constant quantized
         for node in list(graph):
             if not _qdq.is_quantize(node) or node.outputs[0].is_graph_output():
                 continue
@@ -40,7 +41,7 @@ class FoldConstantQuantizePass(ReportingPass):
             if params.dtype not in _qdq.EIGHT_BIT and params.dtype not in (ir.DataType.INT16, ir.DataType.UINT16):
                 continue  # 4-bit packing is left to the weight-only tools
             quantized = _qdq.quantize_array(values, params)
-            name = _qdq.unique_name(graph, f"{node.inputs[0].name or 'constant'}_quantized")
+            name = names.fresh(f"{node.inputs[0].name or 'constant'}_quantized")
             initializer = _qdq.add_initializer(graph, ir.tensor(quantized, dtype=params.dtype, name=name), name)
             node.outputs[0].replace_all_uses_with(initializer)
             modified = True

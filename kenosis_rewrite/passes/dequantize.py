@@ -28,6 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kenosis_rewrite import _qdq, value_range
+from kenosis_rewrite.passes._base import remove_unused_nodes
 from kenosis_rewrite.report import FixReport
 
 RULE_NAME = "return-to-float"
@@ -45,31 +46,45 @@ INTEGER_CAPABLE_OPS = frozenset(
 )
 
 
-def dequantize_constants(node: ir.Node, graph: ir.Graph, cache: dict[int, ir.Value] | None = None) -> int:
-    """Replace ``node``'s inputs that are DequantizeLinear of constants by float initializers."""
+def _float_constant(graph: ir.Graph, value: ir.Value | None, cache: dict[int, ir.Value], names: _qdq.NameAllocator,
+                    default: str) -> ir.Value | None:
+    """The float initializer equal to ``value`` when a DequantizeLinear of constants (not blocked: that
+    is MatMulNBits territory) produces it, made once per value (``cache``); None otherwise."""
+    producer = value.producer() if value is not None else None
+    if not _qdq.is_dequantize(producer) or _qdq.const_array(producer.inputs[0]) is None:
+        return None
+    params = _qdq.quant_params(producer)
+    if params is None or params.block_size:
+        return None
+    if id(value) not in cache:
+        array = _qdq.dequantize_array(_qdq.const_array(producer.inputs[0]), params).astype(params.scale.dtype)
+        name = names.fresh(f"{value.name or default}_float")
+        cache[id(value)] = _qdq.add_initializer(graph, ir.tensor(array, name=name), name)
+    return cache[id(value)]
+
+
+def dequantize_constants(node: ir.Node, graph: ir.Graph, cache: dict[int, ir.Value] | None = None,
+                         names: _qdq.NameAllocator | None = None) -> int:
+    """Replace ``node``'s inputs that are DequantizeLinear of constants by float initializers.
+
+    ``cache`` and ``names`` let a caller that dequantizes many nodes share the initializers made and
+    one scan of the graph for fresh names."""
     cache = {} if cache is None else cache
+    names = names or _qdq.NameAllocator(graph)
     count = 0
     for index, value in enumerate(node.inputs):
-        producer = value.producer() if value is not None else None
-        if not _qdq.is_dequantize(producer) or _qdq.const_array(producer.inputs[0]) is None:
-            continue
-        params = _qdq.quant_params(producer)
-        if params is None or params.block_size:
-            continue  # blocked weights stay as they are (MatMulNBits territory)
-        if id(value) not in cache:
-            array = _qdq.dequantize_array(_qdq.const_array(producer.inputs[0]), params).astype(params.scale.dtype)
-            name = _qdq.unique_name(graph, f"{value.name or 'weight'}_float")
-            cache[id(value)] = _qdq.add_initializer(graph, ir.tensor(array, name=name), name)
-        node.replace_input_with(index, cache[id(value)])
-        count += 1
+        constant = _float_constant(graph, value, cache, names, "weight")
+        if constant is not None:
+            node.replace_input_with(index, constant)
+            count += 1
     return count
 
 
-def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value) -> None:
+def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value, names: _qdq.NameAllocator) -> None:
     """Replace graph output ``dq.outputs[0]`` by ``Identity(source)`` under the same name."""
     old = dq.outputs[0]
     name, value_type, shape = old.name, old.type, old.shape
-    identity = ir.Node("", "Identity", [source], name=_qdq.unique_name(graph, f"{dq.name or name}_float"))
+    identity = ir.Node("", "Identity", [source], name=names.fresh(f"{dq.name or name}_float"))
     graph.insert_after(dq, identity)
     for index, output in enumerate(graph.outputs):
         if output is old:
@@ -99,8 +114,9 @@ def _pass_through_chain(value: ir.Value) -> list[ir.Node]:
     return chain if chain and _qdq.is_dequantize(producer) else []
 
 
-def _new_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str) -> ir.Node:
-    name = _qdq.unique_name(graph, f"{base}_clamp")
+def _new_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str,
+               names: _qdq.NameAllocator) -> ir.Node:
+    name = names.fresh(f"{base}_clamp")
     if lo == 0.0 and hi is None:
         clamp = ir.Node("", "Relu", [value], name=name)
     else:
@@ -109,17 +125,18 @@ def _new_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | N
             if bound is None:
                 bounds.append(None)
                 continue
-            bound_name = _qdq.unique_name(graph, f"{base}_{suffix}")
+            bound_name = names.fresh(f"{base}_{suffix}")
             tensor = ir.tensor(np.asarray(bound, dtype=dtype), name=bound_name)
             bounds.append(_qdq.add_initializer(graph, tensor, bound_name))
         while bounds and bounds[-1] is None:
             bounds.pop()
         clamp = ir.Node("", "Clip", [value, *bounds], name=name)
-    clamp.outputs[0].name = _qdq.unique_name(graph, f"{base}_clamped")
+    clamp.outputs[0].name = names.fresh(f"{base}_clamped")
     return clamp
 
 
-def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str, reader: ir.Node) -> ir.Value:
+def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str, reader: ir.Node,
+                 names: _qdq.NameAllocator | None = None) -> ir.Value:
     """Clamp ``value`` for ``reader``: ``Relu`` for ``(0, None)``, else ``Clip(lo, hi)``; returns the
     value ``reader`` must read instead of ``value``.
 
@@ -129,19 +146,21 @@ def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float |
     Q/DQ pair after an int8 ``DQ -> Reshape`` that a float op reads, then retypes it to uint8
     inconsistently, and refuses the model: output_dtype INT8 vs a uint8 zero point). An identical
     clamp already reading the value is reused: dedicated Q/DQ pairs of one tensor share one clamp.
+    ``names``: the caller's allocator of fresh names, when it names more in the same graph.
     """
+    names = names or _qdq.NameAllocator(graph)
     chain = _pass_through_chain(value)
     site = chain[0].inputs[0] if chain else value
     clamped = _existing_clamp(site, lo, hi)
     anchor = chain[0] if chain else reader
     if clamped is None:
-        clamp = _new_clamp(graph, site, lo, hi, dtype, base)
+        clamp = _new_clamp(graph, site, lo, hi, dtype, base, names)
         graph.insert_before(anchor, clamp)
         clamped = clamp.outputs[0]
     for op in chain:  # the same data movement, on the clamped values
         copy = ir.Node(op.domain, op.op_type, [clamped, *op.inputs[1:]], attributes=list(op.attributes.values()),
-                       num_outputs=1, name=_qdq.unique_name(graph, f"{op.name or op.op_type}_clamped"))
-        copy.outputs[0].name = _qdq.unique_name(graph, f"{op.outputs[0].name or base}_clamped")
+                       num_outputs=1, name=names.fresh(f"{op.name or op.op_type}_clamped"))
+        copy.outputs[0].name = names.fresh(f"{op.outputs[0].name or base}_clamped")
         graph.insert_before(anchor, copy)
         clamped = copy.outputs[0]
     return clamped
@@ -150,7 +169,8 @@ def insert_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float |
 IMPLIED = "implied"
 
 
-def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] | str | None = IMPLIED) -> bool:
+def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] | str | None = IMPLIED,
+                   names: _qdq.NameAllocator | None = None) -> bool:
     """Let the DQ consumers of ``quantize`` read its float input directly; False if not possible.
 
     The Q's clamp may stand for an activation quantize_static deleted; the float value then needs
@@ -161,7 +181,7 @@ def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] 
     artifact the float model does not have); a ``(lo, hi)`` pair is a clamp the caller knows the Q
     stood for (e.g. from the float model); None restores nothing. A DQ whose output is a graph
     output becomes an Identity of the float input (names stay). Per-axis or non-constant
-    activation parameters are left alone.
+    activation parameters are left alone. ``names``: as for :func:`insert_clamp`.
     """
     output = quantize.outputs[0]
     dequantizers = _qdq.dequantize_consumers(output)
@@ -170,12 +190,13 @@ def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] 
         return False
     if clamp == IMPLIED:
         clamp = value_range.implied_clamp(quantize)
-    source = quantize.inputs[0]
+    source, graph = quantize.inputs[0], quantize.graph
+    names = names or _qdq.NameAllocator(graph)
     if clamp is not None:
-        source = insert_clamp(quantize.graph, source, *clamp, params.scale.dtype, source.name or "activation", quantize)
+        source = insert_clamp(graph, source, *clamp, params.scale.dtype, source.name or "activation", quantize, names)
     for dq in dequantizers:
         if dq.outputs[0].is_graph_output():
-            _forward_graph_output(quantize.graph, dq, source)
+            _forward_graph_output(graph, dq, source, names)
         else:
             dq.outputs[0].replace_all_uses_with(source)
     return True
@@ -195,16 +216,17 @@ def _is_float_side(node: ir.Node | None, float_nodes: set[int]) -> bool:
     return id(node) in float_nodes or node.op_type not in INTEGER_CAPABLE_OPS
 
 
-def to_float(node: ir.Node, graph: ir.Graph, float_nodes: set[int]) -> int:
+def to_float(node: ir.Node, graph: ir.Graph, float_nodes: set[int], names: _qdq.NameAllocator | None = None) -> int:
     """Return heavy op ``node`` to float; returns the number of Q/DQ pairs removed."""
+    names = names or _qdq.NameAllocator(graph)
     float_nodes.add(id(node))
-    dequantize_constants(node, graph)
+    dequantize_constants(node, graph, names=names)
     removed = 0
     # Output side: node -> Q -> DQ -> consumers that run float anyway.
     for user, _ in list(node.outputs[0].uses()):
         if _qdq.is_quantize(user):
             dequantizers = _qdq.dequantize_consumers(user.outputs[0]) or []
-            if _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)) and remove_qdq_pair(user):
+            if _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)) and remove_qdq_pair(user, names=names):
                 removed += 1
     # Input side: producer that runs float -> Q -> DQ -> node (and only float consumers).
     for value in list(node.inputs[:1]):
@@ -215,7 +237,7 @@ def to_float(node: ir.Node, graph: ir.Graph, float_nodes: set[int]) -> int:
         source = quantize.inputs[0].producer()
         dequantizers = _qdq.dequantize_consumers(quantize.outputs[0]) or []
         if _is_float_side(source, float_nodes) and _feeds_only(dequantizers, lambda c: _is_float_side(c, float_nodes)):
-            removed += int(remove_qdq_pair(quantize))
+            removed += int(remove_qdq_pair(quantize, names=names))
     return removed
 
 
@@ -281,10 +303,11 @@ class FloatRegionsPass(ir.passes.InPlacePass):
         chosen = [n for n in model.graph if n.name in wanted and n.op_type in _qdq.WEIGHTED_OPS]
         # all of them float from the start: a pair shared by two float layers goes, whatever their order
         float_nodes: set[int] = {id(node) for node in chosen}
+        names = _qdq.NameAllocator(model.graph)
         changed = False
         for node in chosen:
             original_inputs = list(node.inputs)
-            removed = to_float(node, model.graph, float_nodes)
+            removed = to_float(node, model.graph, float_nodes, names)
             refusal = _keep_float_for_ort(node, original_inputs, float_nodes)
             changed = True
             if self.report is None:
@@ -296,10 +319,7 @@ class FloatRegionsPass(ir.passes.InPlacePass):
             if node.name in self.gains:
                 detail += f"; {self.gains[node.name]}"
             self.report.changed(RULE_NAME, node.name, detail, exact=removed == 0)
-        if changed:
-            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-            RemoveUnusedNodesPass()(model)
+        remove_unused_nodes(model, changed)
         return ir.passes.PassResult(model, modified=changed)
 
 
@@ -309,17 +329,15 @@ class DequantizeAllPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         cache: dict[int, ir.Value] = {}
+        names = _qdq.NameAllocator(graph)
         changed = False
         for node in list(graph):
             if not (_qdq.is_quantize(node) or _qdq.is_dequantize(node)):
-                changed |= dequantize_constants(node, graph, cache) > 0
+                changed |= dequantize_constants(node, graph, cache, names) > 0
         for node in list(graph):
             if _qdq.is_quantize(node):
-                changed |= remove_qdq_pair(node)
-        if changed:
-            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-            RemoveUnusedNodesPass()(model)
+                changed |= remove_qdq_pair(node, names=names)
+        remove_unused_nodes(model, changed)
         return ir.passes.PassResult(model, modified=changed)
 
 
@@ -337,26 +355,16 @@ class DequantizeBiasPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, cache, modified = model.graph, {}, False
+        names = _qdq.NameAllocator(graph)
         for node in list(graph):
             if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.inputs) < 3 or node.inputs[2] is None:
                 continue
-            producer = node.inputs[2].producer()
-            if not _qdq.is_dequantize(producer) or _qdq.const_array(producer.inputs[0]) is None:
+            constant = _float_constant(graph, node.inputs[2], cache, names, "bias")
+            if constant is None:
                 continue
-            params = _qdq.quant_params(producer)
-            if params is None or params.block_size:
-                continue
-            value = node.inputs[2]
-            if id(value) not in cache:
-                array = _qdq.dequantize_array(_qdq.const_array(producer.inputs[0]), params).astype(params.scale.dtype)
-                name = _qdq.unique_name(graph, f"{value.name or 'bias'}_float")
-                cache[id(value)] = _qdq.add_initializer(graph, ir.tensor(array, name=name), name)
-            node.replace_input_with(2, cache[id(value)])
+            node.replace_input_with(2, constant)
             modified = True
             if self.report is not None:
                 self.report.changed(self.rule_name, node.name or node.op_type, "int32 bias -> float", exact=True)
-        if modified:
-            from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-            RemoveUnusedNodesPass()(model)
+        remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)

@@ -40,6 +40,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from kenosis_rewrite import _timing, profiler
+from kenosis_rewrite.errors import one_line
+from kenosis_rewrite.passes._base import remove_unused_nodes
 from kenosis_rewrite.passes.dequantize import DequantizeAllPass, FloatRegionsPass
 from kenosis_rewrite.report import FixReport
 
@@ -75,6 +77,38 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     return Path(os.environ.get("KENOSIS_CACHE", Path.home() / ".cache" / "kenosis_rewrite")) / "placement"
 
 
+class PlacementCache:
+    """Measured placement decisions on disk: one JSON file per (model bytes, machine, thread count).
+
+    A file that cannot be read back (truncated, edited, from an older version) is not a decision:
+    :meth:`load` says why, and the search runs again and overwrites it.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None, threads: int):
+        self.directory, self.threads = _cache_dir(directory), threads
+
+    def path(self, base: bytes) -> Path:
+        digest = hashlib.sha256(base + _machine_signature(self.threads).encode()).hexdigest()[:32]
+        return self.directory / f"{digest}.json"
+
+    def load(self, base: bytes) -> tuple[PlacementResult | None, str | None]:
+        """(the cached decision, None), (None, None) when there is none, (None, why) when unreadable."""
+        path = self.path(base)
+        if not path.is_file():
+            return None, None
+        try:
+            result = PlacementResult(**json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
+            return None, f"the cached decision {path} is unreadable ({one_line(error, 200)}); measured again"
+        result.cached = True
+        return result, None
+
+    def store(self, base: bytes, result: PlacementResult) -> None:
+        path = self.path(base)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(result)), encoding="utf-8")
+
+
 def _serialize(model: ir.Model) -> bytes:
     return ir.serde.serialize_model(model).SerializeToString()
 
@@ -83,10 +117,7 @@ def _with_integer_hardswish(model: ir.Model, report: FixReport | None = None) ->
     from kenosis_rewrite.rules.hardswish import hardswish_rules  # noqa: PLC0415
 
     count = hardswish_rules(report).apply_to_model(model)
-    if count:
-        from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
-
-        RemoveUnusedNodesPass()(model)
+    remove_unused_nodes(model, count > 0)
     return count
 
 
@@ -245,21 +276,18 @@ class LatencyPlacementPass(ir.passes.InPlacePass):
         self.use_cache = use_cache
         self.result: PlacementResult | None = None
 
-    def _cache_path(self, base: bytes) -> Path:
-        digest = hashlib.sha256(base + _machine_signature(self.threads).encode()).hexdigest()[:32]
-        return _cache_dir(self.cache_dir) / f"{digest}.json"
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         base = _serialize(model)
-        path = self._cache_path(base)
-        if self.use_cache and path.is_file():
-            self.result = PlacementResult(**json.loads(path.read_text(encoding="utf-8")))
-            self.result.cached = True
+        cache = PlacementCache(self.cache_dir, self.threads) if self.use_cache else None
+        cached, unreadable = cache.load(base) if cache is not None else (None, None)
+        if unreadable is not None and self.report is not None:
+            self.report.note(f"latency placement: {unreadable}")
+        if cached is not None:
+            self.result = cached
         else:
             self.result = _Search(base, self.feed, self.threads, self.budget_s, self.min_gain).run()
-            if self.use_cache:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(dataclasses.asdict(self.result)), encoding="utf-8")
+            if cache is not None:
+                cache.store(base, self.result)
         self._apply(model, self.result)
         return ir.passes.PassResult(model, modified=bool(self.result.float_layers) or self.result.integer_hardswish)
 

@@ -133,3 +133,17 @@ def test_integer_hardswish_is_not_taken_when_not_faster(monkeypatch, tmp_path):
     out, result, _ = _place(fixed, feeds, tmp_path)
     assert not result.integer_hardswish and result.float_layers == [convs[0]]
     assert _testing.op_types(out)["HardSwish"] == 1
+
+
+def test_an_unreadable_cached_decision_is_measured_again_and_said(monkeypatch, tmp_path):
+    feeds, fixed = _fixed()
+    convs = [n.name for n in fixed.graph.node if n.op_type == "Conv"]
+    _cost_model(monkeypatch, {convs[0]: -2.0, convs[1]: +3.0})
+    _, result, _ = _place(fixed, feeds, tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    path.write_text('{"float_layers": [', encoding="utf-8")  # truncated by a crash
+    _, again, report = _place(fixed, feeds, tmp_path)
+    assert not again.cached and again.float_layers == result.float_layers
+    assert "is unreadable (JSONDecodeError" in report.summary()
+    _, cached, _ = _place(fixed, feeds, tmp_path)  # the file was written again
+    assert cached.cached

@@ -186,15 +186,16 @@ class QuantizeWeightedOutputsPass(ReportingPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, modified = model.graph, False
+        names = _qdq.NameAllocator(graph)  # one scan of the graph for every quantizer inserted
         for site in sites(graph):
             where = site.op.name or site.op.op_type
             if site.value.name not in self.ranges:
                 self.refused(where, f"no range measured for its {site.kind} {site.value.name!r}")
                 continue
-            modified |= self._insert(graph, site, *self.ranges[site.value.name])
+            modified |= self._insert(graph, names, site, *self.ranges[site.value.name])
         return ir.passes.PassResult(model, modified=modified)
 
-    def _insert(self, graph: ir.Graph, site: Site, lo: float, hi: float) -> bool:
+    def _insert(self, graph: ir.Graph, names: _qdq.NameAllocator, site: Site, lo: float, hi: float) -> bool:
         """Q/DQ on ``site`` over ``[lo, hi]`` in its grid type."""
         lo, hi, like = min(lo, 0.0), max(hi, 0.0), site.like
         if hi <= lo:
@@ -204,16 +205,16 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         zero_point = int(np.clip(np.rint(like.qmin - lo / float(scale)), like.qmin, like.qmax))
         producer, output = site.value.producer(), site.value
         base = output.name
-        scale_name = _qdq.unique_name(graph, f"{base}_output_scale")
+        scale_name = names.fresh(f"{base}_output_scale")
         scale_value = _qdq.add_initializer(graph, ir.tensor(np.asarray(scale, np.float32), name=scale_name), scale_name)
-        zp_name = _qdq.unique_name(graph, f"{base}_output_zero_point")
+        zp_name = names.fresh(f"{base}_output_zero_point")
         zp_value = _qdq.add_initializer(graph, _qdq.integer_tensor(np.asarray(zero_point), like.dtype, zp_name), zp_name)
         readers = list(output.uses())
-        quantize = ir.Node("", _qdq.QUANTIZE, [output, scale_value, zp_value], name=_qdq.unique_name(graph, f"{base}_QuantizeLinear"))
+        quantize = ir.Node("", _qdq.QUANTIZE, [output, scale_value, zp_value], name=names.fresh(f"{base}_QuantizeLinear"))
         dequantize = ir.Node("", _qdq.DEQUANTIZE, [quantize.outputs[0], scale_value, zp_value],
-                             name=_qdq.unique_name(graph, f"{base}_DequantizeLinear"))
-        quantize.outputs[0].name = _qdq.unique_name(graph, f"{base}_quantized")
-        dequantize.outputs[0].name = _qdq.unique_name(graph, f"{base}_dequantized")
+                             name=names.fresh(f"{base}_DequantizeLinear"))
+        quantize.outputs[0].name = names.fresh(f"{base}_quantized")
+        dequantize.outputs[0].name = names.fresh(f"{base}_dequantized")
         graph.insert_after(producer, [quantize, dequantize])
         for user, index in readers:
             user.replace_input_with(index, dequantize.outputs[0])

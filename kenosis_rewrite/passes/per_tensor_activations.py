@@ -74,11 +74,11 @@ class PerTensorActivationsPass(ReportingPass):
             return False
         where = quantize.name or "QuantizeLinear"
         output = quantize.outputs[0]
-        if output.is_graph_output():
-            self.refused(where, f"quantized tensor {output.name!r} is a graph output")
+        consumers = _qdq.requantizable(output)
+        if isinstance(consumers, str):
+            self.refused(where, consumers)
             return False
-        consumers = _qdq.dequantize_consumers(output)
-        if not consumers:
+        if not consumers:  # no reader at all: refused as before, with the same words
             self.refused(where, f"quantized tensor {output.name!r} is read by a non-DequantizeLinear node")
             return False
         if any(not (p := _qdq.quant_params(dq)) or not p.same_as(params) for dq in consumers):

@@ -91,12 +91,9 @@ class PassThroughQParamsPass(ReportingPass):
             self.refused(where, "the input DequantizeLinear has no explicit zero point")
             return False
         output = quantize.outputs[0]
-        if output.is_graph_output():
-            self.refused(where, f"quantized output {output.name!r} is a graph output")
-            return False
-        consumers = _qdq.dequantize_consumers(output)
-        if consumers is None:
-            self.refused(where, f"quantized output {output.name!r} is read by a non-DequantizeLinear node")
+        consumers = _qdq.requantizable(output, "quantized output")
+        if isinstance(consumers, str):
+            self.refused(where, consumers)
             return False
         if _feeds_unified_concat(consumers, p_out):
             self.refused(

@@ -54,24 +54,25 @@ class SymmetricActivationsPass(ReportingPass):
         super().__init__(report)
         self.fused_activations = frozenset(fused_activations)
 
-    def _params(self, graph: ir.Graph, base: str, scale: np.ndarray, shape) -> tuple[ir.Value, ir.Value]:
-        scale_name = _qdq.unique_name(graph, f"{base}_sym_scale")
+    def _params(self, graph: ir.Graph, names: _qdq.NameAllocator, base: str, scale: np.ndarray, shape) -> tuple[ir.Value, ir.Value]:
+        scale_name = names.fresh(f"{base}_sym_scale")
         scale_value = _qdq.add_initializer(graph, ir.tensor(scale.reshape(shape), name=scale_name), scale_name)
-        zp_name = _qdq.unique_name(graph, f"{base}_sym_zero_point")
+        zp_name = names.fresh(f"{base}_sym_zero_point")
         zp_value = _qdq.add_initializer(graph, ir.tensor(np.zeros(shape, np.int8), name=zp_name), zp_name)
         return scale_value, zp_value
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
+        names = _qdq.NameAllocator(graph)  # one scan of the graph for every name this pass gives
         modified = False
         for node in list(graph):
             if _qdq.is_quantize(node):
-                modified |= self._quantizer(graph, node)
+                modified |= self._quantizer(graph, names, node)
             elif _qdq.is_dequantize(node) and _qdq.const_array(node.inputs[0]) is not None:
-                modified |= self._constant(graph, node)
+                modified |= self._constant(graph, names, node)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _quantizer(self, graph: ir.Graph, node: ir.Node) -> bool:
+    def _quantizer(self, graph: ir.Graph, names: _qdq.NameAllocator, node: ir.Node) -> bool:
         params = _qdq.quant_params(node)
         if params is None or params.dtype not in _qdq.EIGHT_BIT:
             return False
@@ -82,16 +83,13 @@ class SymmetricActivationsPass(ReportingPass):
         if not params.is_per_tensor:
             self.refused(where, "per-axis activation quantization is left as it is")
             return False
-        if output.is_graph_output():
-            self.refused(where, f"quantized tensor {output.name!r} is a graph output")
-            return False
-        consumers = _qdq.dequantize_consumers(output)
-        if consumers is None:
-            self.refused(where, f"quantized tensor {output.name!r} is read by a non-DequantizeLinear node")
+        consumers = _qdq.requantizable(output)
+        if isinstance(consumers, str):
+            self.refused(where, consumers)
             return False
         scale = _symmetric_scale(params)
-        scale_value, zp_value = self._params(graph, output.name or "activation", scale, params.scale.shape)
-        restored = self._restore_clamp(graph, node, params, float(scale.reshape(-1)[0]), consumers)
+        scale_value, zp_value = self._params(graph, names, output.name or "activation", scale, params.scale.shape)
+        restored = self._restore_clamp(graph, names, node, params, float(scale.reshape(-1)[0]), consumers)
         for user in (node, *consumers):
             user.replace_input_with(1, scale_value)
             if len(user.inputs) < 3:
@@ -104,7 +102,7 @@ class SymmetricActivationsPass(ReportingPass):
         self.changed(where, detail + (f"; {restored}" if restored else ""), exact=False)
         return True
 
-    def _restore_clamp(self, graph: ir.Graph, quantize: ir.Node, params: _qdq.QuantParams, scale: float,
+    def _restore_clamp(self, graph: ir.Graph, names: _qdq.NameAllocator, quantize: ir.Node, params: _qdq.QuantParams, scale: float,
                        dequantizers: list[ir.Node]) -> str:
         """Put back, in front of the Q, each clamp the old range applied that the new one no longer does.
 
@@ -135,11 +133,11 @@ class SymmetricActivationsPass(ReportingPass):
         if lo is None and hi is None:
             return ""
         base = quantize.inputs[0].name or "x"
-        clamped = insert_clamp(graph, quantize.inputs[0], lo, hi, params.scale.dtype, base, quantize)
+        clamped = insert_clamp(graph, quantize.inputs[0], lo, hi, params.scale.dtype, base, quantize, names)
         quantize.replace_input_with(0, clamped)
         return "Relu restored" if lo == 0.0 and hi is None else f"Clip({lo}, {hi}) restored"
 
-    def _constant(self, graph: ir.Graph, node: ir.Node) -> bool:
+    def _constant(self, graph: ir.Graph, names: _qdq.NameAllocator, node: ir.Node) -> bool:
         params = _qdq.quant_params(node)
         if params is None or params.dtype not in _qdq.EIGHT_BIT or params.block_size:
             return False
@@ -160,9 +158,9 @@ class SymmetricActivationsPass(ReportingPass):
             shape[axis] = -1
             quantized = np.rint(values / scale.astype(np.float64).reshape(shape))
         base = node.inputs[0].name or "constant"
-        data_name = _qdq.unique_name(graph, f"{base}_sym")
+        data_name = names.fresh(f"{base}_sym")
         data = _qdq.add_initializer(graph, ir.tensor(np.clip(quantized, -_QMAX, _QMAX).astype(np.int8), name=data_name), data_name)
-        scale_value, zp_value = self._params(graph, base, scale, params.scale.shape)
+        scale_value, zp_value = self._params(graph, names, base, scale, params.scale.shape)
         node.replace_input_with(0, data)
         node.replace_input_with(1, scale_value)
         if len(node.inputs) < 3:

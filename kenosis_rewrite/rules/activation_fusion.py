@@ -22,11 +22,11 @@ whose DQ feeds anything but the activation (and, for SiLU, its Mul).
 
 from __future__ import annotations
 
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 
 __all__ = ["FuseActivationIntoProducer", "FuseSiLUIntoProducer", "activation_fusion_rules"]
 
@@ -44,13 +44,12 @@ def _check_producer(x) -> str | None:
     return None
 
 
-class FuseActivationIntoProducer(RewriteRuleClassBase):
+class FuseActivationIntoProducer(ReportingRule):
     """``W -> Q -> DQ -> Act`` ==> ``W -> Act``; see the module docstring."""
 
     def __init__(self, activation: str, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
+        super().__init__(RULE_NAME, report)
         self.activation = activation
-        self.report = report
 
     def pattern(self, op, x):
         quantized = op.QuantizeLinear(x, _allow_other_inputs=True, _outputs=["q"])
@@ -63,24 +62,22 @@ class FuseActivationIntoProducer(RewriteRuleClassBase):
         if reason is None and (len(q.uses()) != 1 or len(dq.uses()) != 1):
             reason = "the Q/DQ pair is read by other nodes"
         if reason is not None:
-            if self.report is not None and x.producer() is not None and x.producer().op_type in _qdq.WEIGHTED_OPS:
-                self.report.refused(self.name, act.producer().name or str(act.name), reason)
+            if x.producer() is not None and x.producer().op_type in _qdq.WEIGHTED_OPS:
+                return self.refuse(act.producer().name or str(act.name), reason)
             return MatchResult().fail(reason)
         return MatchResult()
 
     def rewrite(self, op, x, act, **_):
         node = act.producer()
-        if self.report is not None:
-            self.report.changed(self.name, node.name or str(act.name), f"{self.activation} reads the {x.producer().op_type} directly", exact=False)
+        self.record(node.name or str(act.name), f"{self.activation} reads the {x.producer().op_type} directly", exact=False)
         return op.op(self.activation, x, *node.inputs[1:], _name=node.name, **dict(node.attributes))
 
 
-class FuseSiLUIntoProducer(RewriteRuleClassBase):
+class FuseSiLUIntoProducer(ReportingRule):
     """``W -> Q -> DQ -> {Sigmoid, Mul}`` ==> ``W -> x * Sigmoid(x)``; see the module docstring."""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
-        self.report = report
+        super().__init__(RULE_NAME, report)
 
     def pattern(self, op, x):
         quantized = op.QuantizeLinear(x, _allow_other_inputs=True, _outputs=["q"])
@@ -95,8 +92,7 @@ class FuseSiLUIntoProducer(RewriteRuleClassBase):
         return MatchResult().fail(reason) if reason else MatchResult()
 
     def rewrite(self, op, x, out, sig, **_):
-        if self.report is not None:
-            self.report.changed(self.name, out.producer().name or str(out.name), "SiLU reads the producer directly", exact=False)
+        self.record(out.producer().name or str(out.name), "SiLU reads the producer directly", exact=False)
         return op.Mul(x, op.Sigmoid(x, _name=sig.producer().name), _name=out.producer().name)
 
 
@@ -119,7 +115,3 @@ def activation_fusion_rules(activations, report: FixReport | None = None) -> lis
         silu = [FuseQuantizedSiLUIntoProducer.rule(report), FuseSiLUIntoProducer.rule(report)]
         rules[:0] = [variant for rule in silu for variant in rule.commute()]  # Mul(a, b) or Mul(b, a)
     return rules
-
-
-def activation_fusion_rule_set(activations, report: FixReport | None = None) -> RewriteRuleSet:
-    return RewriteRuleSet(activation_fusion_rules(activations, report))

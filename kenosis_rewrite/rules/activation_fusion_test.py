@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 import pytest
-from onnxscript.rewriter._rewrite_rule import RewriteRuleSet
+from onnxscript.rewriter import RewriteRuleSet
 
 from kenosis_rewrite import _testing, fidelity, ort_quantize, toy_models
 from kenosis_rewrite.report import FixReport

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RULE_NAME_TAG, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import RULE_NAME_TAG, MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 
 _RULE_NAMES = frozenset(
     {"fold-relu-island", "fold-clip-island", "relu-zero-point-to-qmin", "clip-zero-point-to-qmin"}
@@ -51,14 +51,13 @@ __all__ = [
 ]
 
 
-class _FoldActivationIsland(RewriteRuleClassBase):
+class _FoldActivationIsland(ReportingRule):
     """Shared matching, checking and rewriting of Relu and Clip islands."""
 
     activation: str = ""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=f"fold-{self.activation.lower()}-island")
-        self.report = report
+        super().__init__(f"fold-{self.activation.lower()}-island", report)
 
     def pattern(self, op, x):
         quantized = op.QuantizeLinear(x, _allow_other_inputs=True, _outputs=["q1"])
@@ -69,20 +68,15 @@ class _FoldActivationIsland(RewriteRuleClassBase):
     def _upper_bound(self, activation: ir.Node, representable: float) -> float | str:
         return representable
 
-    def _fail(self, where: str, reason: str) -> MatchResult:
-        if self.report is not None:
-            self.report.refused(self.name, where, reason)
-        return MatchResult().fail(reason)
-
     def _check_input_side(self, where: str, x, q1, dq1) -> MatchResult | None:
         """Conditions on the pre-activation Q/DQ pair; None when they hold."""
         p1, pd = _qdq.quant_params(q1.producer()), _qdq.quant_params(dq1.producer())
         if p1 is None or pd is None:
-            return self._fail(where, "quantization parameters are not constants")
+            return self.refuse(where, "quantization parameters are not constants")
         if not p1.is_per_tensor or p1.dtype not in _qdq.EIGHT_BIT:
-            return self._fail(where, f"only per-tensor 8-bit activations are folded, got {p1.describe()}")
+            return self.refuse(where, f"only per-tensor 8-bit activations are folded, got {p1.describe()}")
         if not pd.same_as(p1):
-            return self._fail(where, "the pre-activation DequantizeLinear disagrees with its QuantizeLinear")
+            return self.refuse(where, "the pre-activation DequantizeLinear disagrees with its QuantizeLinear")
         return None
 
     def check(self, context, x, act, q2, q1=None, dq1=None, **_) -> MatchResult:
@@ -97,34 +91,32 @@ class _FoldActivationIsland(RewriteRuleClassBase):
                 return failure
         p2 = _qdq.quant_params(q2_node)
         if p2 is None:
-            return self._fail(where, "quantization parameters are not constants")
+            return self.refuse(where, "quantization parameters are not constants")
         if not p2.is_per_tensor or p2.dtype not in _qdq.EIGHT_BIT:
-            return self._fail(where, f"only per-tensor 8-bit activations are folded, got {p2.describe()}")
+            return self.refuse(where, f"only per-tensor 8-bit activations are folded, got {p2.describe()}")
         if q1 is None:
             if _qdq.is_dequantize(x.producer()):
-                return self._fail(where, "the activation reads a DequantizeLinear: a float island, not a fused output")
+                return self.refuse(where, "the activation reads a DequantizeLinear: a float island, not a fused output")
         if x.producer() is None or len(x.uses()) != 1:
-            return self._fail(where, f"pre-activation tensor {x.name!r} is a graph input or has other consumers")
+            return self.refuse(where, f"pre-activation tensor {x.name!r} is a graph input or has other consumers")
         if q2.is_graph_output():
-            return self._fail(where, f"quantized output {q2.name!r} is a graph output")
+            return self.refuse(where, f"quantized output {q2.name!r} is a graph output")
         consumers = _qdq.dequantize_consumers(q2)
         if consumers is None:
-            return self._fail(where, f"quantized output {q2.name!r} is read by a non-DequantizeLinear node")
+            return self.refuse(where, f"quantized output {q2.name!r} is read by a non-DequantizeLinear node")
         for consumer in consumers:
             params = _qdq.quant_params(consumer)
             if params is None or not params.same_as(p2):
-                return self._fail(where, f"DequantizeLinear {consumer.name!r} disagrees with the output QuantizeLinear")
+                return self.refuse(where, f"DequantizeLinear {consumer.name!r} disagrees with the output QuantizeLinear")
         representable = p2.scalar_scale * (p2.qmax - p2.scalar_zero_point)
         if representable <= 0:
-            return self._fail(where, f"output quantizer {p2.describe()} represents no positive value")
+            return self.refuse(where, f"output quantizer {p2.describe()} represents no positive value")
         upper = self._upper_bound(act_node, representable)
         if isinstance(upper, str):
-            return self._fail(where, upper)
+            return self.refuse(where, upper)
         if q1 is None and value_range.absorbed_by_quantizer(act_node, p2):
             return MatchResult().fail("already fused: the quantizer makes the activation redundant")
-        if self.report is not None:
-            self.report.forget_refusals_at(self.name, where)
-        return MatchResult()
+        return self.accept(where)
 
     def rewrite(self, op, x, act, q2, q1=None, dq1=None, **_):
         act_node, q2_node = act.producer(), q2.producer()
@@ -134,8 +126,8 @@ class _FoldActivationIsland(RewriteRuleClassBase):
         new_scale = np.asarray(upper / (p2.qmax - p2.qmin), dtype=p2.scale.dtype)
         graph = q2_node.graph
         base = q2.name or "activation"
-        scale_name = _qdq.unique_name(graph, f"{base}_folded_scale")
-        zp_name = _qdq.unique_name(graph, f"{base}_folded_zero_point", {scale_name})
+        scale_name = self.fresh_name(graph, f"{base}_folded_scale")
+        zp_name = self.fresh_name(graph, f"{base}_folded_zero_point")
         scale = op.initializer(ir.tensor(new_scale.reshape(p2.scale.shape), name=scale_name), name=scale_name)
         zero_point = op.initializer(
             _qdq.integer_tensor(np.full(p2.zero_point.shape, p2.qmin), p2.dtype, zp_name), name=zp_name
@@ -150,17 +142,12 @@ class _FoldActivationIsland(RewriteRuleClassBase):
         for consumer in _qdq.dequantize_consumers(q2) or []:
             consumer.replace_input_with(1, scale)
             _set_zero_point(consumer, zero_point)
-        if self.report is not None:
-            exact = (
-                float(new_scale) == p1.scalar_scale == p2.scalar_scale and p2.scalar_zero_point == p2.qmin
-            )
-            how = "exact" if exact else f"requantized: {p1.describe()} | {p2.describe()} ->"
-            if q1 is None:
-                how = f"requantized: {p2.describe()} ->"
-            self.report.changed(
-                self.name, act_node.name or str(act.name),
-                f"{how} {p2.dtype.name.lower()} s={float(new_scale):.6g} zp={p2.qmin}", exact=exact,
-            )
+        exact = float(new_scale) == p1.scalar_scale == p2.scalar_scale and p2.scalar_zero_point == p2.qmin
+        how = "exact" if exact else f"requantized: {p1.describe()} | {p2.describe()} ->"
+        if q1 is None:
+            how = f"requantized: {p2.describe()} ->"
+        self.record(act_node.name or str(act.name),
+                    f"{how} {p2.dtype.name.lower()} s={float(new_scale):.6g} zp={p2.qmin}", exact=exact)
         return quantized
 
 

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 
 __all__ = ["FoldBatchNormIntoConv", "FoldBatchNormIntoConvThroughQDQ", "batchnorm_rules"]
 
@@ -94,15 +94,9 @@ def _requantize_folded(weights: np.ndarray, params: _qdq.QuantParams, a: np.ndar
     return new_weights.astype(np.int8), scale.astype(params.scale.dtype)
 
 
-class _FoldBatchNorm(RewriteRuleClassBase):
+class _FoldBatchNorm(ReportingRule):
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
-        self.report = report
-
-    def _fail(self, where: str, reason: str) -> MatchResult:
-        if self.report is not None:
-            self.report.refused(self.name, where, reason)
-        return MatchResult().fail(reason)
+        super().__init__(RULE_NAME, report)
 
     def check(self, context, x, w, conv_out, bn_out, q=None, dq=None, **_) -> MatchResult:
         conv, bn = conv_out.producer(), bn_out.producer()
@@ -110,38 +104,38 @@ class _FoldBatchNorm(RewriteRuleClassBase):
         self._opset = context.model.opset_imports.get("", context.model.opset_imports.get("ai.onnx", 0))
         for value in (conv_out, q, dq):
             if value is not None and (len(value.uses()) != 1 or value.is_graph_output()):
-                return self._fail(where, f"{value.name!r} is read by other nodes or is a graph output")
+                return self.refuse(where, f"{value.name!r} is read by other nodes or is a graph output")
         if q is not None:
             middle = _qdq.quant_params(q.producer())
             if middle is None or not middle.is_per_tensor:
-                return self._fail(where, "the Q between the Conv and the BatchNormalization is not per-tensor constant")
+                return self.refuse(where, "the Q between the Conv and the BatchNormalization is not per-tensor constant")
         if q is not None and not all(_qdq.is_quantize(user) for user, _ in bn_out.uses()):
-            return self._fail(
+            return self.refuse(
                 where, "the BatchNormalization output is not quantized: folding would leave the Conv "
                 "without an output quantizer, i.e. a float Conv",
             )
         if q is not None and value_range.implied_clamp(q.producer()) is not None:
-            return self._fail(
+            return self.refuse(
                 where, "the Q between the Conv and the BatchNormalization clamps at 0 (zero point at qmin): it "
                 "stands for a Relu/Clip quantize_static removed, which no fold into the Conv can keep",
             )
         affine = _bn_affine(bn)
         if isinstance(affine, str):
-            return self._fail(where, affine)
+            return self.refuse(where, affine)
         weight_dq = w.producer()
         if not _qdq.is_dequantize(weight_dq) or _qdq.const_array(weight_dq.inputs[0]) is None:
-            return self._fail(where, "the Conv weight is not a dequantized constant")
+            return self.refuse(where, "the Conv weight is not a dequantized constant")
         params = _qdq.quant_params(weight_dq)
         if params is None or params.block_size or params.dtype not in _qdq.EIGHT_BIT:
-            return self._fail(where, "the Conv weight needs constant, unblocked 8-bit parameters")
+            return self.refuse(where, "the Conv weight needs constant, unblocked 8-bit parameters")
         if not params.is_per_tensor and params.axis != 0:
-            return self._fail(where, f"per-axis weight scale on axis {params.axis}, not the output channels")
+            return self.refuse(where, f"per-axis weight scale on axis {params.axis}, not the output channels")
         channels = _qdq.const_array(weight_dq.inputs[0]).shape[0]
         if affine[0].size not in (1, channels):
-            return self._fail(where, "BatchNormalization channels do not match the Conv's output channels")
+            return self.refuse(where, "BatchNormalization channels do not match the Conv's output channels")
         if len(conv.inputs) > 2 and conv.inputs[2] is not None:
             if _qdq.constant_or_dequantized(conv.inputs[2]) is None:
-                return self._fail(where, "the Conv bias is not a constant")
+                return self.refuse(where, "the Conv bias is not a constant")
         return MatchResult()
 
     def rewrite(self, op, x, w, conv_out, bn_out, **_):
@@ -170,7 +164,7 @@ class _FoldBatchNorm(RewriteRuleClassBase):
 
         graph = conv.graph
         base = conv.name or "conv"
-        initializer = _qdq.constant_maker(op, graph, f"{base}_bn_folded")
+        initializer = _qdq.constant_maker(op, lambda name: self.fresh_name(graph, name), f"{base}_bn_folded")
 
         if per_tensor:
             weight_value = op.DequantizeLinear(
@@ -200,11 +194,10 @@ class _FoldBatchNorm(RewriteRuleClassBase):
                 )
         else:
             bias_value = initializer(new_bias, np.float32, "bias")
-        if self.report is not None:
-            detail = f"{channels} channels; {how}; bias requantized"
-            if saturated:
-                detail += f"; {saturated} weight(s) of -128 saturated to 127"
-            self.report.changed(self.name, bn.name or str(bn_out.name), detail, exact=False)
+        detail = f"{channels} channels; {how}; bias requantized"
+        if saturated:
+            detail += f"; {saturated} weight(s) of -128 saturated to 127"
+        self.record(bn.name or str(bn_out.name), detail, exact=False)
         return op.Conv(x, weight_value, bias_value, _name=conv.name, **dict(conv.attributes))
 
 

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite.rules._reporting import NamingRule
 
 __all__ = ["channel_affine_rules"]
 
@@ -76,7 +76,7 @@ def _tensor_like(values: np.ndarray, like: ir.Value, name: str) -> ir.Tensor:
     return ir.tensor(values.astype(like.const_value.numpy().dtype), name=name)
 
 
-class _AffineAfter(RewriteRuleClassBase):
+class _AffineAfter(NamingRule):
     """``Producer(x, W[, B]) -> Op(., constant)``: the affine moves into W and B."""
 
     def __init__(self, producer: str, affine: str):
@@ -143,12 +143,12 @@ class _AffineAfter(RewriteRuleClassBase):
             bias = bias + vector if self.affine == "Add" else bias - vector
         name = node.inputs[1].name
         new_weights = op.initializer(_tensor_like(weights, node.inputs[1], name), name=name)
-        bias_name = bias_value.name if bias_value is not None else _qdq.unique_name(node.graph, f"{name}_bias")
+        bias_name = bias_value.name if bias_value is not None else self.fresh_name(node.graph, f"{name}_bias")
         new_bias = op.initializer(_tensor_like(bias, node.inputs[1], bias_name), name=bias_name)
         return getattr(op, self.producer)(x, new_weights, new_bias, **attributes)
 
 
-class _AffineBeforeConv(RewriteRuleClassBase):
+class _AffineBeforeConv(NamingRule):
     """``Op(x, constant) -> Conv(., W[, B])``: the per-input-channel affine moves into W or B."""
 
     def __init__(self, affine: str):
@@ -210,7 +210,7 @@ class _AffineBeforeConv(RewriteRuleClassBase):
             bias = bias + sign * (weights * per_weight).reshape(out_channels, -1).sum(axis=1)
         name = conv.inputs[1].name
         new_weights = op.initializer(_tensor_like(weights, conv.inputs[1], name), name=name)
-        bias_name = bias_value.name if bias_value is not None else _qdq.unique_name(conv.graph, f"{name}_bias")
+        bias_name = bias_value.name if bias_value is not None else self.fresh_name(conv.graph, f"{name}_bias")
         new_bias = op.initializer(_tensor_like(bias, conv.inputs[1], bias_name), name=bias_name)
         return op.Conv(x, new_weights, new_bias, **conv.attributes)
 

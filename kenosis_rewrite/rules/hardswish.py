@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 
 __all__ = ["HardSwishToIntegerOps", "hardswish_rules"]
 
@@ -42,21 +42,15 @@ RULE_NAME = "hardswish-to-integer-ops"
 _TOP = 255
 
 
-class HardSwishToIntegerOps(RewriteRuleClassBase):
+class HardSwishToIntegerOps(ReportingRule):
     """``DQ -> HardSwish -> Q`` ==> QLinearAdd + QLinearMul; see the module docstring."""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
-        self.report = report
+        super().__init__(RULE_NAME, report)
 
     def pattern(self, op, x):
         activated = op.HardSwish(x, _outputs=["hs"])
         return op.QuantizeLinear(activated, _allow_other_inputs=True, _outputs=["q2"])
-
-    def _fail(self, where: str, reason: str) -> MatchResult:
-        if self.report is not None:
-            self.report.refused(self.name, where, reason)
-        return MatchResult().fail(reason)
 
     def check(self, context, x, hs, q2, **_) -> MatchResult:
         del context
@@ -66,20 +60,19 @@ class HardSwishToIntegerOps(RewriteRuleClassBase):
         p_in, p_out = _qdq.quant_params(x.producer()), _qdq.quant_params(q2.producer())
         for params in (p_in, p_out):
             if params is None or not params.is_per_tensor or params.dtype != ir.DataType.UINT8:
-                return self._fail(where, "only per-tensor uint8 activations are decomposed")
+                return self.refuse(where, "only per-tensor uint8 activations are decomposed")
         return MatchResult()
 
     def rewrite(self, op, x, hs, q2, **_):
         q2_node = q2.producer()
         base = hs.name or "hardswish"
-        constant = _qdq.constant_maker(op, q2_node.graph, base)
+        constant = _qdq.constant_maker(op, lambda name: self.fresh_name(q2_node.graph, name), base)
         zero = constant(0, np.uint8, "zero")
         three = op.DequantizeLinear(constant(_TOP, np.uint8, "full"), constant(3.0 / _TOP, np.float32, "three_scale"), zero)
         # written on a grid of 6/255, read on 1/255: the HardSigmoid's division by 6, for free
         shifted = op.QuantizeLinear(op.Add(x, three), constant(6.0 / _TOP, np.float32, "relu6_scale"), zero)
         gate = op.DequantizeLinear(shifted, constant(1.0 / _TOP, np.float32, "hardsigmoid_scale"), zero)
-        if self.report is not None:
-            self.report.changed(self.name, hs.producer().name or base, "QLinearAdd + QLinearMul", exact=False)
+        self.record(hs.producer().name or base, "QLinearAdd + QLinearMul", exact=False)
         return op.QuantizeLinear(op.Mul(x, gate), *q2_node.inputs[1:], **dict(q2_node.attributes))
 
 

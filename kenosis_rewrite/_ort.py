@@ -1,0 +1,60 @@
+"""The one place that builds ONNX Runtime CPU sessions.
+
+Every caller used to assemble its own ``SessionOptions``; they differed only in the few knobs named
+below, so those are the parameters and everything else is fixed: CPU provider, sequential
+execution, one inter-op thread, warnings off (ORT's NCHWc "hardware specific" warning is expected).
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnxruntime as ort
+
+__all__ = ["LEVELS", "options", "session"]
+
+LEVELS = {
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+}
+
+
+def options(
+    threads: int | None = 1,
+    *,
+    level: str = "all",
+    log_severity: int = 3,
+    optimized_path: str | None = None,
+    profile_prefix: str | None = None,
+) -> ort.SessionOptions:
+    """Session options: ``threads`` intra-op threads (None: ORT's default, all cores), one inter-op thread.
+
+    ``optimized_path``: ORT writes the graph it runs there, its weights kept in an external file
+    (only the structure is read back). ``profile_prefix``: profiling on, files start with it.
+    """
+    result = ort.SessionOptions()
+    if threads is not None:
+        result.intra_op_num_threads = threads
+    result.inter_op_num_threads = 1
+    result.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    result.graph_optimization_level = LEVELS[level]
+    result.log_severity_level = log_severity
+    if optimized_path is not None:
+        result.optimized_model_filepath = optimized_path
+        result.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.data"
+        )
+        result.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    if profile_prefix is not None:
+        result.enable_profiling = True
+        result.profile_file_prefix = profile_prefix
+    return result
+
+
+def session(model: onnx.ModelProto | bytes | str, session_options: ort.SessionOptions | None = None
+            ) -> ort.InferenceSession:
+    """A CPU session for ``model`` (a proto, its bytes, or a path). ORT's own exception propagates:
+    callers decide whether a refusal is an error (and which) or a finding."""
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    return ort.InferenceSession(model, session_options or options(), providers=["CPUExecutionProvider"])

@@ -1,0 +1,340 @@
+"""The properties the fuzz checks on one case (:mod:`kenosis_rewrite.fuzz`), and how a case's result is recorded.
+
+:func:`check_fix_case` and :func:`check_quantize_case` each take one seed; every property that
+fails is a :class:`Failure` in one of :data:`CATEGORIES`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+
+import numpy as np
+import onnx
+
+from kenosis_rewrite.fuzz_configs import plain_quant_config, quantize_or_skip, random_quant_config, silenced
+from kenosis_rewrite.fuzz_models import N_CALIBRATION, random_float_model
+from kenosis_rewrite.fuzz_running import (
+    all_equal,
+    first_line,
+    max_abs_diff,
+    min_cosine,
+    run_model,
+    short_traceback,
+    structural_diff,
+)
+from kenosis_rewrite.guard import cosine_floor
+from kenosis_rewrite.pipeline import interface  # what fix() promises to keep, as fix() checks it
+
+FIDELITY_TOLERANCE = 0.01
+
+# Failure categories, in the order the summary prints them, with their titles.
+CATEGORY_TITLES = (
+    ("uncaught", "uncaught exception (not a KenosisError)"),
+    ("input_mutated", "input mutated"),
+    ("ort_enable_all", "ORT refuses ORT_ENABLE_ALL"),
+    ("ort_disable_all", "ORT refuses ORT_DISABLE_ALL"),
+    ("shape_change", "output names/shapes changed"),
+    ("interface_change", "interface change"),
+    ("non_idempotent", "non-idempotent"),
+    ("non_deterministic", "non-deterministic"),
+    ("exactness_break", "exactness break (all changes exact=True)"),
+    ("fidelity_drop", f"fidelity drop > {FIDELITY_TOLERANCE}"),
+    ("quantize_below_plain", f"quantize() below plain > {FIDELITY_TOLERANCE}"),
+    ("timeout", "case timed out (hang in fix()/quantize()?)"),
+    ("harness", "harness error (bug in the fuzzer itself)"),
+)
+CATEGORIES = tuple(key for key, _ in CATEGORY_TITLES)
+
+
+# --- results
+
+
+@dataclasses.dataclass
+class Failure:
+    """One violated property, with what it takes to replay it."""
+
+    category: str
+    seed: int
+    target: str | None
+    message: str
+    config: dict | None = None
+    rules: list[str] = dataclasses.field(default_factory=list)
+    value: float | None = None  # the size of the violation (drop, max abs diff), for ranking
+
+    @property
+    def replay(self) -> str:
+        if self.target == "quantize()":
+            return f"python -m kenosis_rewrite.fuzz --replay-quantize {self.seed}"
+        target = f" --target {self.target}" if self.target else ""
+        return f"python -m kenosis_rewrite.fuzz --replay {self.seed}{target}"
+
+    def describe(self) -> str:
+        value = "" if self.value is None else f" [{self.value:.4g}]"
+        rules = f" rules={','.join(self.rules)}" if self.rules else ""
+        return f"seed={self.seed} target={self.target}{value}{rules}: {self.message}\n    config={json.dumps(self.config)}\n    replay: {self.replay}"
+
+
+@dataclasses.dataclass
+class TargetResult:
+    """What one ``fix(target=...)`` call did on one case."""
+
+    target: str
+    seconds: float = 0.0
+    typed_error: str | None = None  # "ClassName: message" of an allowed KenosisError
+    changes: dict[str, int] = dataclasses.field(default_factory=dict)
+    all_exact: bool | None = None
+    cos_fixed: float | None = None
+    drop: float | None = None
+    max_abs_diff: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """Everything one seed produced: skip reason, per-target results, failures, timing."""
+
+    seed: int
+    kind: str = "fix"  # "fix" or "quantize"
+    config: dict | None = None
+    skipped: bool = False
+    skip_reason: str | None = None
+    model: str = ""  # opset and op-type counts of the FP32 model
+    cos_qdq: float | None = None
+    cos_plain: float | None = None
+    cos_quantize: float | None = None
+    targets: list[TargetResult] = dataclasses.field(default_factory=list)
+    failures: list[Failure] = dataclasses.field(default_factory=list)
+    fix_calls: int = 0
+    quantize_calls: int = 0
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures)
+
+    def fail(self, category: str, target: str | None, message: str, rules=(), value: float | None = None) -> None:
+        self.failures.append(Failure(category, self.seed, target, message, self.config, list(rules), value))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _describe_model(model: onnx.ModelProto) -> str:
+    counts = collections.Counter(node.op_type for node in model.graph.node)
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    inputs = [list(d.dim_value for d in v.type.tensor_type.shape.dim) for v in model.graph.input]
+    return f"opset {opset}, input {inputs}, outputs {len(model.graph.output)}, " + ", ".join(f"{k}x{v}" for k, v in sorted(counts.items()))
+
+
+# --- property checks
+
+
+@dataclasses.dataclass
+class _Reference:
+    """What every target's output is compared with: the input QDQ model and the FP32 outputs."""
+
+    qdq: onnx.ModelProto
+    qdq_bytes: bytes
+    names: list[str]
+    qdq_outputs: list[list[np.ndarray]]  # ORT_DISABLE_ALL
+    fp32_outputs: list[list[np.ndarray]]  # ORT_DISABLE_ALL
+    cos_qdq: float
+    eval_feeds: list[dict]
+    verify: bool = True  # fix()'s run-time guard on; off tests the rules' own promises
+
+
+def _call_fix(model, target: str, verify: bool = True):
+    import kenosis_rewrite  # noqa: PLC0415
+
+    return kenosis_rewrite.fix(model, target=target, return_report=True, verify=verify)
+
+
+def _check_outputs(case: CaseResult, ref: _Reference, fixed_bytes: bytes, target: str, rules) -> dict:
+    """Run the fixed model at both levels; record refusals and name/shape changes. Returns level -> outputs."""
+    results = {}
+    for level in ("enable_all", "disable_all"):
+        try:
+            names, outputs = run_model(fixed_bytes, ref.eval_feeds, level)
+        except Exception as error:  # noqa: BLE001
+            case.fail(f"ort_{level}", target, f"{type(error).__name__}: {first_line(error, 400)}", rules)
+            continue
+        shapes = [tuple(np.shape(o)) for o in outputs[0]]
+        expected = [tuple(np.shape(o)) for o in ref.qdq_outputs[0]]
+        if names != ref.names or shapes != expected:
+            case.fail("shape_change", target, f"{level}: outputs {list(zip(names, shapes))}, input QDQ {list(zip(ref.names, expected))}", rules)
+            continue
+        results[level] = outputs
+    return results
+
+
+def _check_numbers(case: CaseResult, ref: _Reference, result: TargetResult, outputs, report) -> None:
+    """Exactness (all changes exact => bit-equal at ORT_DISABLE_ALL) and fidelity against FP32."""
+    rules = sorted(result.changes)
+    result.all_exact = all(change.exact for change in report.changes)
+    result.max_abs_diff = max_abs_diff(ref.qdq_outputs, outputs)
+    if result.all_exact and not all_equal(ref.qdq_outputs, outputs):
+        exact_rules = sorted({c.rule for c in report.changes})
+        case.fail("exactness_break", result.target, f"every change says exact=True but max abs diff {result.max_abs_diff:.4g}", exact_rules, result.max_abs_diff)
+    result.cos_fixed = min_cosine(ref.fp32_outputs, outputs)
+    result.drop = ref.cos_qdq - result.cos_fixed
+    floor = cosine_floor(ref.cos_qdq, set(result.changes), FIDELITY_TOLERANCE)
+    if not result.cos_fixed >= floor:  # NaN counts as a drop
+        message = f"cosine vs FP32 {ref.cos_qdq:.5f} (input QDQ) -> {result.cos_fixed:.5f} (fixed; floor {floor:.5f})"
+        case.fail("fidelity_drop", result.target, message, rules, result.drop)
+
+
+def _check_repeat(case: CaseResult, ref: _Reference, fixed: onnx.ModelProto, fixed_bytes: bytes, target: str, rules) -> None:
+    """Determinism (fix twice on the input) and idempotence (fix on the output)."""
+    checks = (("non_deterministic", ref.qdq, "fix(input) again"), ("non_idempotent", fixed, "fix(fixed)"))
+    for category, source, what in checks:
+        case.fix_calls += 1
+        try:
+            again, _ = _call_fix(source, target, ref.verify)
+        except Exception as error:  # noqa: BLE001
+            import kenosis_rewrite  # noqa: PLC0415
+
+            typed = isinstance(error, kenosis_rewrite.KenosisError)
+            kind = category if typed else "uncaught"
+            detail = "" if typed else "\n" + short_traceback(error)
+            case.fail(kind, target, f"{what} raised {type(error).__name__}: {first_line(error)}{detail}", rules)
+            continue
+        if again.SerializeToString() == fixed_bytes:
+            continue
+        diff = structural_diff(fixed, again)
+        if category == "non_deterministic":
+            case.fail(category, target, f"{what} gave different bytes; {diff or 'structurally equal (names/order/metadata differ)'}", rules)
+        elif diff is not None:
+            case.fail(category, target, f"{what} differs: {diff}", rules)
+        else:
+            note = "fix(fixed) byte-different but structurally equal"
+            next(r for r in case.targets if r.target == target).notes.append(note)
+
+
+def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
+    """All properties of ``fix(qdq, target=target)``."""
+    import kenosis_rewrite  # noqa: PLC0415
+
+    result = TargetResult(target)
+    case.targets.append(result)
+    start = time.perf_counter()
+    case.fix_calls += 1
+    try:
+        fixed, report = _call_fix(ref.qdq, target, ref.verify)
+    except kenosis_rewrite.KenosisError as error:
+        result.typed_error = f"{type(error).__name__}: {first_line(error)}"
+    except Exception as error:  # noqa: BLE001
+        case.fail("uncaught", target, f"{type(error).__name__}: {first_line(error)}\n{short_traceback(error)}")
+    if ref.qdq.SerializeToString() != ref.qdq_bytes:
+        case.fail("input_mutated", target, "fix() modified the caller's ModelProto")
+        ref.qdq.ParseFromString(ref.qdq_bytes)  # the next target must see the original
+    if result.typed_error is not None or any(f.target == target and f.category == "uncaught" for f in case.failures):
+        result.seconds = time.perf_counter() - start
+        return
+    result.changes = report.change_counts()
+    result.notes.extend(f"{target}: {note}" for note in report.notes if note.startswith("run-time guard"))
+    rules = sorted(result.changes)
+    if interface(fixed) != interface(ref.qdq):
+        case.fail("interface_change", target, "graph inputs, outputs or opset imports differ from the input", rules)
+    fixed_bytes = fixed.SerializeToString()
+    outputs = _check_outputs(case, ref, fixed_bytes, target, rules)
+    if "disable_all" in outputs:
+        _check_numbers(case, ref, result, outputs["disable_all"], report)
+    _check_repeat(case, ref, fixed, fixed_bytes, target, rules)
+    result.seconds = time.perf_counter() - start
+
+
+def _model_and_config(seed: int) -> tuple[onnx.ModelProto, list[dict], dict]:
+    rng = np.random.default_rng(seed)
+    fp32, feeds = random_float_model(rng)
+    config = random_quant_config(rng, [node.op_type for node in fp32.graph.node])
+    return fp32, feeds, config
+
+
+def check_fix_case(seed: int, targets: tuple[str, ...] | None = None, verify: bool = True) -> CaseResult:
+    """Generate, quantize and ``fix()`` case ``seed`` for every target; check every property.
+
+    ``verify=False`` turns fix()'s run-time guard off, so that the rules themselves are held to
+    their promises (the guard would undo a rule that breaks them).
+
+    Failures are recorded in ``CaseResult.failures`` (never raised); a configuration that
+    ``quantize_static`` (or ORT, on its output) refuses marks the case skipped.
+    """
+    import kenosis_rewrite  # noqa: PLC0415
+
+    start = time.perf_counter()
+    fp32, feeds, config = _model_and_config(seed)
+    case = CaseResult(seed=seed, kind="fix", config=config, model=_describe_model(fp32))
+    case.quantize_calls += 1
+    qdq, reason = quantize_or_skip(fp32, config, feeds[:N_CALIBRATION])
+    if qdq is None:
+        case.skipped, case.skip_reason = True, reason
+        case.seconds = time.perf_counter() - start
+        return case
+    eval_feeds = feeds[N_CALIBRATION:]
+    qdq_bytes = qdq.SerializeToString()
+    try:
+        names, qdq_outputs = run_model(qdq_bytes, eval_feeds, "disable_all")
+    except Exception as error:  # noqa: BLE001 - the input, not fix(), is broken
+        case.skipped, case.skip_reason = True, f"the quantize_static output fails on the evaluation feeds: {first_line(error)}"
+        case.seconds = time.perf_counter() - start
+        return case
+    _, fp32_outputs = run_model(fp32.SerializeToString(), eval_feeds, "disable_all")
+    case.cos_qdq = min_cosine(fp32_outputs, qdq_outputs)
+    ref = _Reference(qdq, qdq_bytes, names, qdq_outputs, fp32_outputs, case.cos_qdq, eval_feeds, verify)
+    for target in targets or kenosis_rewrite.TARGETS:
+        _check_target(case, ref, target)
+    case.seconds = time.perf_counter() - start
+    return case
+
+
+def check_quantize_case(seed: int) -> CaseResult:
+    """``kenosis_rewrite.quantize()`` against plain ``quantize_static`` (u8/s8 per-channel) on case ``seed``.
+
+    Failures: quantize() raises a non-KenosisError, its output does not run (or changes output
+    names/shapes), or its cosine against FP32 is more than :data:`FIDELITY_TOLERANCE` below plain's.
+    """
+    import kenosis_rewrite  # noqa: PLC0415
+
+    start = time.perf_counter()
+    fp32, feeds = random_float_model(np.random.default_rng(seed))
+    case = CaseResult(seed=seed, kind="quantize", config=plain_quant_config(), model=_describe_model(fp32))
+    calibration, eval_feeds = feeds[:N_CALIBRATION], feeds[N_CALIBRATION:]
+    case.quantize_calls += 1
+    plain, reason = quantize_or_skip(fp32, case.config, calibration)
+    if plain is None:
+        case.skipped, case.skip_reason = True, f"plain: {reason}"
+        case.seconds = time.perf_counter() - start
+        return case
+    names, fp32_outputs = run_model(fp32.SerializeToString(), eval_feeds, "disable_all")
+    case.cos_plain = min_cosine(fp32_outputs, run_model(plain.SerializeToString(), eval_feeds, "disable_all")[1])
+    result = TargetResult("quantize()")
+    case.targets.append(result)
+    t0 = time.perf_counter()
+    try:
+        with silenced():
+            model, report = kenosis_rewrite.quantize(fp32, calibration=calibration, return_report=True)
+    except kenosis_rewrite.KenosisError as error:
+        result.typed_error = f"{type(error).__name__}: {first_line(error)}"
+        result.seconds = time.perf_counter() - t0
+        case.seconds = time.perf_counter() - start
+        return case
+    except Exception as error:  # noqa: BLE001
+        case.fail("uncaught", "quantize()", f"{type(error).__name__}: {first_line(error)}\n{short_traceback(error)}")
+        case.seconds = time.perf_counter() - start
+        return case
+    result.seconds = time.perf_counter() - t0
+    result.changes = report.change_counts()
+    ref = _Reference(fp32, b"", names, fp32_outputs, fp32_outputs, 1.0, eval_feeds)
+    outputs = _check_outputs(case, ref, model.SerializeToString(), "quantize()", sorted(result.changes))
+    if "disable_all" in outputs:
+        case.cos_quantize = min_cosine(fp32_outputs, outputs["disable_all"])
+        result.cos_fixed = case.cos_quantize
+        result.drop = case.cos_plain - case.cos_quantize
+        if not result.drop <= FIDELITY_TOLERANCE:
+            message = f"cosine vs FP32: quantize() {case.cos_quantize:.5f}, plain quantize_static {case.cos_plain:.5f}"
+            case.fail("quantize_below_plain", "quantize()", message, sorted(result.changes), result.drop)
+    case.seconds = time.perf_counter() - start
+    return case
