@@ -39,7 +39,7 @@ from onnxruntime.quantization import QuantFormat, QuantType
 from kenosis_rewrite import _io, calibration as calib
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
-from kenosis_rewrite.errors import KenosisError, ModelTooLargeError
+from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
@@ -283,12 +283,17 @@ def quantize(
                            "only constants: not quantized", exact=True)
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False)
+    except KenosisError:
+        raise
+    except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types
+        raise KenosisError(f"calibration ({calibration_method}) failed on this model: {one_line(error)}") from error
+    try:
         with quiet_logger():
             qdq = calib.quantize_with_ranges(proto, ranges, **options)
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
-        raise KenosisError(f"onnxruntime's quantize_static failed on this model: {error}") from None
+        raise KenosisError(f"onnxruntime's quantize_static failed on this model: {one_line(error)}") from error
     model = ir.serde.deserialize_model(qdq)
     FixPass(target, report)(model)
     if chosen_plan == "weighted":

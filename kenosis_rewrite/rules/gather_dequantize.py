@@ -32,10 +32,11 @@ index tensors of unknown rank where the axis would move.
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules._reporting import ReportingRule
 
 __all__ = ["GatherBeforeDequantize", "gather_dequantize_rules", "RULE_NAME"]
 
@@ -49,12 +50,11 @@ def _normalized(axis: int, rank: int | None) -> int | None:
     return None if rank is None else axis + rank
 
 
-class GatherBeforeDequantize(RewriteRuleClassBase):
+class GatherBeforeDequantize(ReportingRule):
     """``Gather(DQ(t), ids)`` ==> ``DQ(Gather(t, ids))`` (per-row: written out). Exact."""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
-        self.report = report
+        super().__init__(RULE_NAME, report)
 
     def pattern(self, op, table, ids):
         dequantized = op.DequantizeLinear(table, _allow_other_inputs=True, _outputs=["dq"])
@@ -91,12 +91,8 @@ class GatherBeforeDequantize(RewriteRuleClassBase):
         if dq_node.domain not in _qdq.DEFAULT_DOMAINS or gather.domain not in _qdq.DEFAULT_DOMAINS:
             return MatchResult().fail("not default-domain DequantizeLinear and Gather")
         axis = self._new_axis(dq_node, gather, table, ids)
-        return self._refuse(gather, axis) if isinstance(axis, str) else MatchResult()
-
-    def _refuse(self, gather: ir.Node, reason: str) -> MatchResult:
-        if self.report is not None:
-            self.report.refused(RULE_NAME, gather.name or str(gather.outputs[0].name), reason)
-        return MatchResult().fail(reason)
+        where = gather.name or str(gathered.name)
+        return self.refuse(where, axis) if isinstance(axis, str) else self.accept(where)
 
     def rewrite(self, op, table, ids, dq, gathered, **_):
         dq_node, gather = dq.producer(), gathered.producer()
@@ -107,9 +103,7 @@ class GatherBeforeDequantize(RewriteRuleClassBase):
         attributes = {name: attr.value for name, attr in dq_node.attributes.items()}
         if axis is not None:
             attributes["axis"] = axis
-        if self.report is not None:
-            self.report.changed(RULE_NAME, gather.name or str(gathered.name),
-                                "gathers the quantized codes, dequantizes only the rows read", exact=True)
+        self.record(gather.name or str(gathered.name), "gathers the quantized codes, dequantizes only the rows read", exact=True)
         return op.DequantizeLinear(codes, *dq_node.inputs[1:], **attributes)
 
 
@@ -125,9 +119,8 @@ class GatherBeforeDequantize(RewriteRuleClassBase):
         values = op.Cast(codes, to=to_float)
         if len(dq_node.inputs) > 2 and dq_node.inputs[2] is not None and params.zero_point.any():
             values = op.Sub(values, op.Cast(rows(dq_node.inputs[2]), to=to_float))
-        if self.report is not None:
-            self.report.changed(RULE_NAME, gather.name or str(gathered.name),
-                                "gathers the quantized rows and their per-row scales, dequantizes only those", exact=True)
+        self.record(gather.name or str(gathered.name),
+                    "gathers the quantized rows and their per-row scales, dequantizes only those", exact=True)
         return op.Mul(values, rows(dq_node.inputs[1]))
 
 
