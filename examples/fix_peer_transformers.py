@@ -1,6 +1,6 @@
 """fix() on other quantizers' transformer outputs: quantize_static's defaults, and NNCF if installed.
 
-    python examples/fix_peer_transformers.py [--nncf PYTHON] [--seconds S]
+    python examples/fix_peer_transformers.py [--nncf PYTHON] [--seconds S] [MODEL ...]
 
 ``--nncf`` names a Python that has NNCF (``kenosis-rewrite peers install nncf`` puts one at
 ``~/.cache/kenosis_rewrite/peers/nncf/bin/python``); NNCF runs there, in its own process, with
@@ -57,10 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nncf", metavar="PYTHON", default=None)
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("models", nargs="*", default=["vit_s_focus", "minilm_l3_paraphrase"])
     args = parser.parse_args()
     print("| model | quantizer | cosine before fix | cosine after fix | ms before | ms after | FP32 ms |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for name in ("vit_s_focus", "minilm_l3_paraphrase"):
+    for name in args.models:
         model, calibration, held_out, index = _inputs(name)
         peers = {"quantize_static default": ort_quantize.quantize_with_ort(model, calibration, "default")}
         if args.nncf:
