@@ -220,11 +220,9 @@ _UNSORTED = "topologically sorted"
 SORTED_NOTE = "the input graph was not in topological order (ONNX Runtime sorts on load; the checker refuses): sorted"
 
 
-def _needs_sort(proto: onnx.ModelProto | None) -> bool:
-    """Check ``proto`` (the input serialised; None for a large model, checked by ``_needs_sort_large``); True
-    when its only fault is node order (Quark's XINT8 output: ONNX Runtime sorts on load, the checker refuses)."""
-    if proto is None:
-        return False
+def _needs_sort(proto: onnx.ModelProto) -> bool:
+    """Check ``proto`` (the input serialised, or its graph alone for a large model); True when its only
+    fault is node order (Quark's XINT8 output: ONNX Runtime sorts on load, the checker refuses)."""
     try:
         _check_proto(proto)
         return False
@@ -243,17 +241,6 @@ def _sort(copy: ir.Model) -> list[str]:
     proto = in_memory_proto(copy)
     _check_proto(graph_only_proto(copy) if proto is None else proto)
     return [SORTED_NOTE]
-
-
-def _needs_sort_large(model: ir.Model) -> bool:
-    """``_needs_sort`` for a large onnx_ir.Model: checks its graph without the tensor data."""
-    try:
-        _check_proto(graph_only_proto(model))
-        return False
-    except InvalidModelError as error:
-        if _UNSORTED not in str(error):
-            raise
-    return True
 
 
 def check_quantized(model: ir.Model) -> list[str]:
@@ -336,7 +323,7 @@ def _copy_ir_model(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto | None]:
 
 
 def _sorted_notes(copy: ir.Model, checkable: onnx.ModelProto | None) -> list[str]:
-    unsorted = _needs_sort_large(copy) if checkable is None else _needs_sort(checkable)
+    unsorted = _needs_sort(graph_only_proto(copy) if checkable is None else checkable)
     return _sort(copy) if unsorted else []
 
 

@@ -324,8 +324,9 @@ def fix_loaded(
     if guarded and before is not None:
         guard = Guard(before, calibration or [], float_model=float_proto)
     output_ranges = _output_ranges(before, target, calibration, notes)
-    # the graph as given, without tensor data: the rewrite may work on ``first.model`` itself
-    before_graph = _io.graph_only_proto(first.model) if before is None else None
+    # the input as given (its graph alone when not in memory), taken now: the rewrite may work on
+    # ``first.model`` itself
+    reference = before if before is not None else _io.graph_only_proto(first.model)
     loaded, report, after = _guarded_fix(model, first, target, guard, output_ranges)
     if in_memory and after is None:
         after = _io.in_memory_proto(loaded.model)
@@ -342,8 +343,7 @@ def fix_loaded(
     if before is not None and after is not None:
         _validate(before, after, report)
     else:  # checked without the tensor data (see _io.graph_only_proto): any size, no copy of the weights
-        _validate(before_graph if before_graph is not None else _io.graph_only_proto(first.model),
-                  _io.graph_only_proto(loaded.model), report)
+        _validate(reference, _io.graph_only_proto(loaded.model), report)
         if guarded and before is None:
             report.note("the model is larger than 2 GB: the run-time guard did not run (ONNX Runtime cannot take it "
                         "as one protobuf); its graph passed onnx.checker (full_check) without the tensor data")
