@@ -68,7 +68,7 @@ def _quantize(args: argparse.Namespace) -> int:
         args.input, calibration, per_channel=args.per_channel, target=args.target,
         calibration_samples=args.samples, calibration_method=args.method, target_cosine=args.fidelity,
         snr_threshold_db=args.snr_threshold, optimize_for=args.optimize_for, return_report=True,
-        bias_correction=not args.no_bias_correction,
+        bias_correction=not args.no_bias_correction, share_concat_ranges=not args.separate_concat_ranges,
     )
     save(model, args.output)
     if args.report:
@@ -163,6 +163,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep layers whose weight SNR or local SQNR is below DB in FP32")
     quant.add_argument("--no-bias-correction", action="store_true",
                        help="leave the int32 biases as quantize_static wrote them (default: corrected)")
+    quant.add_argument("--separate-concat-ranges", action="store_true",
+                       help="calibrate each Concat input on its own (default: one shared range, faster Concats)")
     quant.add_argument("--target", default="ort-cpu")
     quant.add_argument("--optimize-for", choices=["latency"], default=None)
     quant.add_argument("--report", action="store_true")

@@ -20,7 +20,7 @@ Order for ``ort-cpu`` (each step's module docstring states its transformation an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -33,6 +33,7 @@ from kenosis_rewrite.errors import KenosisError, RewriteError
 from kenosis_rewrite.guard import Guard, candidate_undos
 from kenosis_rewrite.passes import output_quantizers
 from kenosis_rewrite.passes.output_quantizers import QuantizeWeightedOutputsPass
+from kenosis_rewrite.passes.pin_shapes import pinned_model
 from kenosis_rewrite.report import FixReport, Refusal
 from kenosis_rewrite.targets import TARGETS as _TARGETS
 from kenosis_rewrite.targets import get_target
@@ -267,11 +268,13 @@ def fix_with_report(
     threads: int = 1,
     verify: bool | None = None,
     bias_correction: bool = False,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
     """:func:`fix`, returning ``(fixed_model, FixReport)``."""
     loaded, report, after = fix_loaded(
         model, target=target, float_model=float_model, calibration=calibration, optimize_for=optimize_for,
         latency_budget_s=latency_budget_s, threads=threads, verify=verify, bias_correction=bias_correction,
+        input_shapes=input_shapes,
     )
     result = after if loaded.returns == "proto" and after is not None else _io.to_output(loaded)
     return result, report
@@ -292,6 +295,7 @@ def fix_loaded(
     model: _io.ModelLike, *, target: str = "ort-cpu", float_model: _io.ModelLike | None = None,
     calibration: Iterable[Mapping[str, np.ndarray]] | None = None, optimize_for: str | None = None,
     latency_budget_s: float = 60.0, threads: int = 1, verify: bool | None = None, bias_correction: bool = False,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """:func:`fix_with_report` before the result is converted: ``(loaded, report, output proto or None)``.
 
@@ -306,6 +310,9 @@ def fix_loaded(
     if bias_correction and (float_model is None or not calibration):
         raise KenosisError("bias_correction=True needs float_model= (the FP32 original) and calibration= feeds: "
                            "the correction is the mean difference between the two on that data")
+    pinning = None
+    if input_shapes:
+        model, pinning = pinned_model(model, input_shapes, calibration)
     first = _io.load(model, lazy=True)
     if _io.ALREADY_FUSED_NOTE in first.notes:  # MatMulNBits form: what fix() would make; nothing to do
         report = FixReport(target=target)
@@ -332,6 +339,10 @@ def fix_loaded(
         after = _io.in_memory_proto(loaded.model)
     for note in notes:
         report.note(note)
+    if pinning is not None:
+        report.changes[:0] = pinning.changes
+        report.refusals[:0] = pinning.refusals
+        report.notes[:0] = pinning.notes
     if optimize_for == "latency":
         _latency_placement(loaded.model, report, calibration, latency_budget_s, threads)
         after = _io.in_memory_proto(loaded.model)
@@ -368,6 +379,7 @@ def fix(
     threads: int = 1,
     verify: bool | None = None,
     bias_correction: bool = False,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
 ):
     """Rewrite a QDQ model so that ONNX Runtime runs more of it in fused integer kernels.
 
@@ -394,6 +406,10 @@ def fix(
         bias_correction: with ``float_model`` and ``calibration``, also move each quantized
             Conv/Gemm's mean output shift against the FP32 model into its int32 bias
             (:mod:`kenosis_rewrite.bias_correction`; not exact: outputs move toward FP32).
+        input_shapes: ``{input_name: dims}`` to pin symbolic input dims to, folding the shape
+            computations that depend on them (:mod:`kenosis_rewrite.passes.pin_shapes`; a ViT's
+            run-time position-embedding interpolation, for one). The result accepts only those
+            shapes. Checked against the input on ``calibration`` (or random feeds of those shapes).
 
     Returns:
         The fixed model, of the kind given: an ``onnx_ir.Model`` for an ``onnx_ir.Model``,
@@ -410,6 +426,6 @@ def fix(
     fixed, report = fix_with_report(
         model, target=target, float_model=float_model, calibration=calibration,
         optimize_for=optimize_for, latency_budget_s=latency_budget_s, threads=threads, verify=verify,
-        bias_correction=bias_correction,
+        bias_correction=bias_correction, input_shapes=input_shapes,
     )
     return (fixed, report) if return_report else fixed

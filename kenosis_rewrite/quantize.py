@@ -39,6 +39,7 @@ from onnxruntime.quantization import QuantFormat, QuantType
 from kenosis_rewrite import _io, calibration as calib
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
+from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
@@ -92,6 +93,7 @@ def _image_paths(folder) -> list[str]:
 
 
 PER_CHANNEL_OPSET = 13  # DequantizeLinear's axis attribute
+SHARED_RANGE_RULE = "share-concat-ranges"
 
 
 def _median_per_channel_gain_db(model: onnx.ModelProto) -> float:
@@ -173,6 +175,16 @@ def per_channel_overrides(model: onnx.ModelProto) -> dict[str, list[dict]]:
     return overrides
 
 
+def _shared_concat_ranges(model: onnx.ModelProto, ranges, excluded, report: FixReport):
+    shared, decisions = shared_concat_ranges(model, ranges, excluded_nodes=excluded)
+    for decision in decisions:
+        if decision.applied:
+            report.changed(SHARED_RANGE_RULE, decision.concat, decision.reason, exact=False)
+        else:
+            report.refused(SHARED_RANGE_RULE, decision.concat, decision.reason)
+    return shared
+
+
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
     specs = calib.infer_inputs(model)
     if not any(s.kind == "image" for s in specs):
@@ -198,6 +210,7 @@ def quantize(
     canonicalize: bool = True,
     bias_correction: bool = True,
     plan: str = "auto",
+    share_concat_ranges: bool = True,
     return_report: bool = False,
 ):
     """Quantize an FP32 model for ``target`` and return a fixed, protected QDQ model.
@@ -223,6 +236,9 @@ def quantize(
         canonicalize: run :func:`kenosis_rewrite.prepare` on the FP32 graph first (fold shape
             arithmetic and run-time padding, decomposed BatchNorm/HardSwish, NHWC Transposes),
             verified against the model as given on the calibration feeds.
+        share_concat_ranges: give every Concat's inputs and output one range (their union), so ORT
+            concatenates the quantized bytes instead of requantizing each input
+            (:mod:`kenosis_rewrite.calibration.shared_scales`; YOLOv8n 1.67 -> 1.80x FP32).
         bias_correction: move each Conv/Gemm's mean output shift into its int32 bias
             (:mod:`kenosis_rewrite.bias_correction`; on by default: measured better on the zoo,
             with real calibration photos and with self-calibration alike).
@@ -287,6 +303,8 @@ def quantize(
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types
         raise KenosisError(f"calibration ({calibration_method}) failed on this model: {one_line(error)}") from error
+    if share_concat_ranges and chosen_plan == "full":  # the weighted plan leaves Concats float
+        ranges =  _shared_concat_ranges(proto, ranges, options.get("nodes_to_exclude", ()), report)
     try:
         with quiet_logger():
             qdq = calib.quantize_with_ranges(proto, ranges, **options)

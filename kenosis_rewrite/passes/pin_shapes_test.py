@@ -1,0 +1,57 @@
+"""Tests of fix(..., input_shapes=): pinned dims, folded shape arithmetic, outputs kept."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from kenosis_rewrite import _testing, fix, toy_models
+from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.ort_quantize import quantize_with_ort
+from kenosis_rewrite.passes.pin_shapes import pinned_model
+
+SHAPE = [1, toy_models.C, 24, 20]
+
+
+def _quantized_export() -> tuple[onnx.ModelProto, list[dict]]:
+    """quantize_static of a TF-style export: "same" padding computed from Shape at run time."""
+    model = toy_models.build_export("tf_same_padding")
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal(SHAPE).astype(np.float32)} for _ in range(4)]
+    return quantize_with_ort(model, feeds), feeds
+
+
+def _dims(model: onnx.ModelProto) -> list:
+    return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim]
+
+
+def test_pinned_shapes_fold_the_run_time_padding_and_keep_the_outputs():
+    quantized, feeds = _quantized_export()
+    assert _testing.op_types(quantized)["Shape"] > 0
+    plain = fix(quantized, calibration=feeds)
+    pinned, report = fix(quantized, calibration=feeds, input_shapes={"x": SHAPE}, return_report=True)
+    assert _dims(pinned) == SHAPE
+    assert _testing.op_types(pinned)["Shape"] == 0, _testing.op_types(pinned)
+    assert _testing.op_types(plain)["Shape"] > 0
+    assert any(c.rule == "pin-input-shapes" for c in report.changes)
+    # Q/DQ are never folded: the integer weights stay integer
+    assert _testing.op_types(pinned)["DequantizeLinear"] >= _testing.op_types(quantized)["Conv"]
+    for feed in feeds:
+        for want, got in zip(_testing.outputs(plain, feed), _testing.outputs(pinned, feed)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert _dims(quantized) != SHAPE  # the caller's model is untouched
+
+
+def test_pinned_model_checks_on_random_inputs_when_no_feed_matches():
+    quantized, feeds = _quantized_export()
+    other = [{"x": np.zeros([1, toy_models.C, 8, 8], np.float32)}]
+    pinned, report = pinned_model(quantized, {"x": SHAPE}, other)
+    assert _dims(pinned) == SHAPE
+    assert any("checked on 2 inputs" in note for note in report.notes)
+
+
+def test_unknown_input_name_is_a_typed_error():
+    quantized, _ = _quantized_export()
+    with pytest.raises(KenosisError, match="not graph inputs"):
+        fix(quantized, input_shapes={"image": SHAPE})
