@@ -91,3 +91,23 @@ def test_quantize_puts_every_concat_input_on_one_scale_and_stays_faithful():
     cosine_separate = _testing.graph_cosine(model, separate, feeds)
     # resolution lost on the narrower inputs is bounded by the widening limit (two bits at 4x)
     assert cosine_shared > 0.999 and cosine_shared > cosine_separate - 0.002
+
+
+def test_a_group_never_reaches_past_a_relu_clamp_the_quantizer_stands_for():
+    """Concat(Relu(conv), conv): quantize_static deletes the Relu and lets its Q clamp at 0; a shared
+    range reaching below 0 would pass the negative values the Relu removed."""
+    b = ToyBuilder(0)
+    rectified = b.node("Relu", [b.conv("x", C, C)])
+    signed = b.conv("x", C, C)
+    joined = b.node("Concat", [rectified, signed], axis=1)
+    model = b.model(IMAGE, b.conv(joined, 2 * C, C, k=1))
+    ranges = _ranges(model, toy_models.random_feeds(model, 4))
+    assert ranges[signed][0] < 0 <= ranges[rectified][0]
+    shared, decisions = shared_concat_ranges(model, ranges, max_widening=1e9)
+    assert len(decisions) == 1 and not decisions[0].applied
+    assert "clamp" in decisions[0].reason
+    assert dict(shared) == dict(ranges)
+    # and the quantized model keeps the clamp: no negative value reaches the Concat from the Relu side
+    feeds = toy_models.random_feeds(model, 4, seed=2)
+    quantized = quantize(model, feeds, bias_correction=False)
+    assert _testing.graph_cosine(model, quantized, feeds) > 0.999
