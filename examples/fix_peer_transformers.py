@@ -1,12 +1,13 @@
 """fix() on other quantizers' transformer outputs: quantize_static's defaults, and NNCF if installed.
 
-    python examples/fix_peer_transformers.py [--nncf PYTHON] [--seconds S] [MODEL ...]
+    python examples/fix_peer_transformers.py [--nncf PYTHON] [--seconds S] [--pin] [MODEL ...]
 
 ``--nncf`` names a Python that has NNCF (``kenosis-rewrite peers install nncf`` puts one at
 ``~/.cache/kenosis_rewrite/peers/nncf/bin/python``); NNCF runs there, in its own process, with
 ``model_type=TRANSFORMER``. Models: the DINOv2 ViT-S (8 street photos calibrate, 8 object photos
 score the heat map) and paraphrase-MiniLM-L3 (16 sentences calibrate, 32 others score the sentence
-embedding). One thread, interleaved medians; cosine against FP32, mean / worst.
+embedding). One thread, interleaved medians; cosine against FP32, mean / worst. ``--pin`` adds a
+row per quantizer for ``fix(..., input_shapes=)`` with the feeds' shapes (shape arithmetic folded).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nncf", metavar="PYTHON", default=None)
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--pin", action="store_true", help="also fix(input_shapes=the feeds' shapes)")
     parser.add_argument("models", nargs="*", default=["vit_s_focus", "minilm_l3_paraphrase"])
     args = parser.parse_args()
     print("| model | quantizer | cosine before fix | cosine after fix | ms before | ms after | FP32 ms |")
@@ -67,17 +69,21 @@ def main() -> None:
         if args.nncf:
             peers["NNCF (transformer)"] = _nncf(args.nncf, model, calibration)
         reference = [_testing.outputs(model, feed)[index] for feed in held_out]
+        shapes = {key: list(value.shape) for key, value in held_out[0].items()}
         for label, quantized in peers.items():
-            fixed = kenosis_rewrite.fix(quantized)
-            cosines = {key: [fidelity.cosine(r, _testing.outputs(m, feed)[index]) for r, feed in zip(reference, held_out)]
-                       for key, m in (("before", quantized), ("after", fixed))}
-            sessions = {key: _timing.session(m.SerializeToString(), 1)
-                        for key, m in (("fp32", model), ("before", quantized), ("after", fixed))}
-            ms = {key: value * 1e3 for key, value in
-                  _timing.interleaved_medians(sessions, held_out[0], seconds=args.seconds).items()}
-            cells = " | ".join(f"{np.mean(cosines[k]):.5f} / {np.min(cosines[k]):.5f}" for k in ("before", "after"))
-            print(f"| {name} | {label} | {cells} | {ms['before']:.2f} | {ms['after']:.2f} | {ms['fp32']:.2f} |")
-
+            fixes = {"fix": kenosis_rewrite.fix(quantized)}
+            if args.pin:
+                fixes["fix(input_shapes)"] = kenosis_rewrite.fix(quantized, input_shapes=shapes, calibration=calibration)
+            for how, fixed in fixes.items():
+                cosines = {key: [fidelity.cosine(r, _testing.outputs(m, feed)[index]) for r, feed in zip(reference, held_out)]
+                           for key, m in (("before", quantized), ("after", fixed))}
+                sessions = {key: _timing.session(m.SerializeToString(), 1)
+                            for key, m in (("fp32", model), ("before", quantized), ("after", fixed))}
+                ms = {key: value * 1e3 for key, value in
+                      _timing.interleaved_medians(sessions, held_out[0], seconds=args.seconds).items()}
+                cells = " | ".join(f"{np.mean(cosines[k]):.5f} / {np.min(cosines[k]):.5f}" for k in ("before", "after"))
+                print(f"| {name} | {label}, {how} | {cells} | {ms['before']:.2f} | {ms['after']:.2f} | {ms['fp32']:.2f} |",
+                      flush=True)
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,7 @@ def _fix(args: argparse.Namespace) -> int:
     loaded, report, _ = fix_loaded(
         args.input, target=args.target, float_model=args.float_model, optimize_for=args.optimize_for,
         latency_budget_s=args.latency_budget, threads=args.threads, verify=False if args.no_guard else None,
+        input_shapes=_input_shapes(args.input_shape),
     )
     save(loaded.model, args.output)
     if args.report:
@@ -50,6 +51,22 @@ def _fix(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {total} change(s)" + (f" ({', '.join(f'{k} {v}' for k, v in counts.items())})" if counts else ""),
           file=sys.stderr)
     return EXIT_OK
+
+
+def _input_shapes(specs: list[str] | None) -> dict[str, list[int]] | None:
+    """``["x=1,3,224,224", ...]`` -> ``{"x": [1, 3, 224, 224]}``; a malformed one is a KenosisError."""
+    if not specs:
+        return None
+    shapes = {}
+    for spec in specs:
+        name, _, dims = spec.rpartition("=")
+        try:
+            shapes[name] = [int(d) for d in dims.split(",")]
+        except ValueError:
+            name = ""
+        if not name:
+            raise KenosisError(f"--input-shape {spec!r}: expected NAME=D,D,... (e.g. pixel_values=1,3,224,224)")
+    return shapes
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -139,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     fix.add_argument("--no-guard", action="store_true",
                      help="skip the run-time guard (ORT runs of input and output; rules that break their bound are "
                           "undone; by default it runs on models up to 256 MiB)")
+    fix.add_argument("--input-shape", action="append", metavar="NAME=D,D,...",
+                     help="pin a symbolic input's dims and fold the shape arithmetic they feed (repeatable)")
     fix.add_argument("--report", action="store_true", help="print what changed and what was left alone")
     fix.add_argument("--report-json", metavar="PATH", help="write the report as JSON")
     fix.set_defaults(handler=_fix)

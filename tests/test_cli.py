@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 
 from kenosis_rewrite import _testing, cli, ort_quantize, toy_models
@@ -87,3 +88,17 @@ def test_quantize_command_self_calibrates_and_reports(tmp_path, capsys):
     assert _testing.ort_optimized_op_types(model)["QLinearConv"] >= 1
     out = capsys.readouterr().out
     assert "calibration: synthetic (8 samples)" in out and "sensitivity:" in out
+
+
+def test_fix_input_shape_pins_dims_and_folds_the_padding(tmp_path, capsys):
+    float_model = toy_models.build_export("tf_same_padding")
+    feeds = [{"x": np.random.default_rng(i).standard_normal([1, toy_models.C, 24, 20]).astype(np.float32)} for i in range(4)]
+    source, target = tmp_path / "q.onnx", tmp_path / "pinned.onnx"
+    onnx.save(ort_quantize.quantize_with_ort(float_model, feeds), source)
+    assert cli.main(["fix", str(source), str(target), "--input-shape", f"x=1,{toy_models.C},24,20", "--report"]) == cli.EXIT_OK
+    pinned = onnx.load(target)
+    assert [d.dim_value for d in pinned.graph.input[0].type.tensor_type.shape.dim] == [1, toy_models.C, 24, 20]
+    assert _testing.op_types(pinned)["Shape"] == 0
+    assert "pin-input-shapes" in capsys.readouterr().out
+    assert cli.main(["fix", str(source), str(target), "--input-shape", "x=1,a"]) == cli.EXIT_REFUSED
+    assert "expected NAME=D,D" in capsys.readouterr().err
