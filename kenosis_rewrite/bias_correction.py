@@ -79,7 +79,7 @@ def float_counterpart(node: ir.Node, source: str, float_readers: Mapping[str, li
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _same_weights(weight_dq: ir.Node, original: onnx.NodeProto, float_weights: Mapping[str, onnx.TensorProto]) -> bool:
+def same_weights(weight_dq: ir.Node, original: onnx.NodeProto, float_weights: Mapping[str, onnx.TensorProto]) -> bool:
     """The FP32 layer's weights equal the dequantized ones within one quantization step: it is the
     layer that was quantized, not one a BatchNormalization or a scale was folded into since."""
     if len(original.input) < 2 or original.input[1] not in float_weights:
@@ -125,7 +125,7 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     original = float_counterpart(node, source, float_readers)
     if original is None:
         return f"no FP32 {node.op_type} reading {source!r} to compare with"
-    if not _same_weights(weight_dq, original, float_weights):
+    if not same_weights(weight_dq, original, float_weights):
         return (f"the FP32 {node.op_type} {original.name or original.output[0]!r} has other weights than the "
                 "quantized one beyond rounding (folded BatchNormalization or scale?): not comparable")
     return _Layer(node, source, original.output[0], bias, bias_scale)

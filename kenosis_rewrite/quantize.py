@@ -39,6 +39,7 @@ from onnxruntime.quantization import QuantFormat, QuantType
 from kenosis_rewrite import _io, calibration as calib
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
+from kenosis_rewrite.weight_rounding import round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
@@ -197,6 +198,7 @@ def quantize(
     seed: int = 0,
     canonicalize: bool = True,
     bias_correction: bool = True,
+    weight_rounding: bool = False,
     plan: str = "auto",
     return_report: bool = False,
 ):
@@ -300,6 +302,9 @@ def quantize(
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph)(model)
+    if weight_rounding:
+        rounded = round_weights(proto, model, feeds, report)
+        report.note(f"weight rounding: {rounded} layers")
     if bias_correction:
         corrected = correct_biases(proto, model, feeds, report)
         report.note(f"bias correction: {corrected} layers")
