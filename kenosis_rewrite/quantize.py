@@ -39,6 +39,7 @@ from onnxruntime.quantization import QuantFormat, QuantType
 from kenosis_rewrite import _io, calibration as calib
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
+from kenosis_rewrite.equalization import equalize
 from kenosis_rewrite.weight_rounding import round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
@@ -199,6 +200,7 @@ def quantize(
     canonicalize: bool = True,
     bias_correction: bool = True,
     weight_rounding: bool = False,
+    equalization: bool = False,
     plan: str = "auto",
     return_report: bool = False,
 ):
@@ -260,6 +262,9 @@ def quantize(
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
     proto = ir.serde.serialize_model(prepared)
+    if equalization:
+        proto, equalized = equalize(proto, feeds, report)
+        report.note(f"activation equalization: {equalized} tensors")
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
     auto = per_channel == "auto"
     options = quantize_static_options(target, False if auto else bool(per_channel))
