@@ -9,17 +9,20 @@ channel ``c`` of ``T`` can be scaled by ``k_c > 0`` (``Conv_A``'s output channel
 and bias times ``k_c``) and undone in the depthwise reader (its channel ``c`` weights divided by
 ``k_c``). Both scalings are along output channels, which per-channel int8 weights absorb in their
 scales, so the weights quantize as well as before; the activation gets ``k_c`` times more levels on
-channel ``c``. ``k_c = min(R / max_c, MAX_SCALE)``, with ``max_c`` the channel's maximum over the
-calibration feeds and ``R`` the largest of them: every channel is stretched to the widest one.
+channel ``c``. ``k_c = min(R / max_c, MAX_SCALE, M / (HEADROOM max_c))`` (at least 1), with
+``max_c`` the channel's largest magnitude over the calibration feeds and ``R`` the largest of them:
+narrow channels are stretched towards the widest one, at most ``MAX_SCALE`` times.
 
 Exactness: ``act`` is Relu, identity, or Clip(0, M) (ReLU6). Relu and identity are positively
 homogeneous, so the FP32 model computes the same function (up to float rounding). Clip(0, M) is
 homogeneous only below its bound: ``Clip(k x) = k Clip(x)`` wherever ``k x <= M``. Since
-``k_c max_c <= R <= M``, that holds on every calibration feed (the tests check the outputs there);
-a new input whose channel ``c`` exceeds ``R / k_c = max_c`` but not ``M`` before scaling is clipped
-at ``max_c`` ... ``M`` instead of ``M``: the bound this module keeps is that no value up to the
-channel's calibrated maximum changes. Channels never active on the feeds (``max_c = 0``) and tensors
-with other readers (a residual Add, a dense Conv, a graph output) are left alone.
+``k_c <= M / (HEADROOM max_c)``, that holds for every value up to ``HEADROOM`` times the channel's
+calibrated maximum: the FP32 function is unchanged on the calibration feeds and on new inputs
+within that margin (the tests check both with ONNX Runtime); beyond it, a stretched channel is
+clipped at ``M / k_c >= HEADROOM max_c`` instead of ``M``. Channels never active on the feeds,
+tensors with fewer than ``MIN_VALUES`` values per channel over the feeds (their maximum is no
+guide to new data), and tensors with other readers (a residual Add, a dense Conv, a graph output)
+are left alone.
 """
 
 from __future__ import annotations
