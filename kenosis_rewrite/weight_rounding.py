@@ -22,7 +22,9 @@ equalization, 256 positions per feed): MobileNetV2 0.99401 -> 0.99454, Efficient
 -> 0.99765; every layer instead: 0.99455 and 0.99748 for 3-4 s more. A centred ``H`` (leaving the
 mean error to bias correction) measured worse: 0.99216 and 0.99534. Damping 0.1 instead of 0.01:
 PP-LCNet +0.001, PP-OCR cls -0.004. 128 positions per feed (the default) with equalization:
-0.99565 and 0.99762, as 256 gave.
+0.99565 and 0.99762, as 256 gave. ``H`` is not centred, so the layer's mean output error is part of
+what the rounding minimises; bias correction, which runs after, leaves alone a layer whose weights
+moved more than one step (``bias_correction.WEIGHT_STEPS``, with the measurement of the other choice).
 
 Approximate (it changes outputs), with a bound the tests check: per output row the quadratic error
 ``(w - w_q)^T H (w - w_q)`` on the calibration inputs is never above round-to-nearest's (a row where
