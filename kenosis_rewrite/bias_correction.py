@@ -43,6 +43,13 @@ _INT32_RANGE = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
 # 16 calibration scenes and 100 held-out photos, as good as correcting all on CNNs and safer on
 # layers that see one position per feed (squeeze-excitation, classifier heads).
 SIGNIFICANCE_Z = 2.0
+# A layer whose weights are more than this many steps from the FP32 ones is not corrected. Weight
+# rounding by output error (kenosis_rewrite.weight_rounding) moves some weights up to 2.5 steps; it
+# already minimises the layer's mean error too (uncentred H), and those layers are then left alone.
+# Measured (16 scenes / 100 objects, defaults): 1 step: MobileNetV2 0.99565 / 98%, EfficientNet-Lite0
+# 0.99762 / 98%, PP-OCR cls 0.99032 / 87%, PP-LCNet 0.96376 / 79%; 3 steps (correct them as well):
+# 0.99589 / 98%, 0.99769 / 96%, 0.98957 / 88%, 0.96632 / 76%.
+WEIGHT_STEPS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +86,10 @@ def float_counterpart(node: ir.Node, source: str, float_readers: Mapping[str, li
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _same_weights(weight_dq: ir.Node, original: onnx.NodeProto, float_weights: Mapping[str, onnx.TensorProto]) -> bool:
-    """The FP32 layer's weights equal the dequantized ones within one quantization step: it is the
-    layer that was quantized, not one a BatchNormalization or a scale was folded into since."""
+def same_weights(weight_dq: ir.Node, original: onnx.NodeProto, float_weights: Mapping[str, onnx.TensorProto],
+                 steps: float = 1.0) -> bool:
+    """The FP32 layer's weights equal the dequantized ones within ``steps`` quantization steps: it is
+    the layer that was quantized, not one a BatchNormalization or a scale was folded into since."""
     if len(original.input) < 2 or original.input[1] not in float_weights:
         return False
     weights = onnx.numpy_helper.to_array(float_weights[original.input[1]])
@@ -90,7 +98,7 @@ def _same_weights(weight_dq: ir.Node, original: onnx.NodeProto, float_weights: M
         return False
     dequantized = _qdq.dequantize_array(data, params)
     step = np.abs(_qdq.dequantize_array(data.astype(np.int32) + 1, params) - dequantized)
-    return bool(np.all(np.abs(weights - dequantized) <= step * 1.01))
+    return bool(np.all(np.abs(weights - dequantized) <= step * steps * 1.01))
 
 
 def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
@@ -125,7 +133,7 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     original = float_counterpart(node, source, float_readers)
     if original is None:
         return f"no FP32 {node.op_type} reading {source!r} to compare with"
-    if not _same_weights(weight_dq, original, float_weights):
+    if not same_weights(weight_dq, original, float_weights, WEIGHT_STEPS):
         return (f"the FP32 {node.op_type} {original.name or original.output[0]!r} has other weights than the "
                 "quantized one beyond rounding (folded BatchNormalization or scale?): not comparable")
     return _Layer(node, source, original.output[0], bias, bias_scale)

@@ -2,6 +2,8 @@
 
 1. Calibration feeds: the user's (feed dicts, a folder of images) or self-calibration
    (:func:`kenosis_rewrite.calibration.synthetic_feeds`) when there are none.
+   Activation equalization: narrow channels of a Conv output read only by depthwise Convs are
+   stretched, the depthwise weights divided back (:mod:`kenosis_rewrite.equalization`), on by default.
 2. Metadata-input protection: nodes reading tensors computed only from non-image float inputs
    are excluded from quantization (:mod:`kenosis_rewrite.protection`).
 3. ``onnxruntime.quantization.quantize_static`` in the configuration that measures best for the
@@ -14,7 +16,9 @@
    read the float tensors, not the quantized copies made for the MatMuls).
 4. :func:`kenosis_rewrite.fix` for the target.
 5. Model-output protection (outputs leave in float), on by default.
-6. Bias correction: each Conv/Gemm's mean output shift on the calibration feeds moves into its
+6. Weight rounding: the int8 weights of small fan-in layers (stem, depthwise) are rounded by their
+   output error on the calibration inputs, GPTQ-style (:mod:`kenosis_rewrite.weight_rounding`), on
+   by default. Bias correction: each Conv/Gemm's mean output shift on the calibration feeds moves into its
    int32 bias (:mod:`kenosis_rewrite.bias_correction`), on by default.
 7. SNR sensitivity: layers below ``snr_threshold_db``, or the fewest layers that bring the output
    cosine to ``target_cosine`` on the calibration feeds, go back to FP32
@@ -40,6 +44,8 @@ from kenosis_rewrite import _io, calibration as calib
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
+from kenosis_rewrite.equalization import equalize
+from kenosis_rewrite.weight_rounding import round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
@@ -209,6 +215,8 @@ def quantize(
     seed: int = 0,
     canonicalize: bool = True,
     bias_correction: bool = True,
+    weight_rounding: bool = True,
+    equalization: bool = True,
     plan: str = "auto",
     share_concat_ranges: bool = True,
     return_report: bool = False,
@@ -242,6 +250,13 @@ def quantize(
         bias_correction: move each Conv/Gemm's mean output shift into its int32 bias
             (:mod:`kenosis_rewrite.bias_correction`; on by default: measured better on the zoo,
             with real calibration photos and with self-calibration alike).
+        weight_rounding: round the int8 weights of small fan-in layers by their output error on the
+            calibration inputs (:mod:`kenosis_rewrite.weight_rounding`; on by default: on 16 scenes /
+            100 held-out objects, with equalization, MobileNetV2 0.99401 -> 0.99565 cosine,
+            EfficientNet-Lite0 0.99312 -> 0.99762, PP-OCR cls 0.98800 -> 0.99032, PP-LCNet 0.96368
+            -> 0.96376, the two detectors +0.0001; see the README).
+        equalization: stretch the narrow channels of activations read only by depthwise Convs
+            (:mod:`kenosis_rewrite.equalization`; on by default, measured with weight_rounding above).
         plan: which ops to quantize (:mod:`kenosis_rewrite.plan`): ``"full"`` (every op, CNNs),
             ``"weighted"`` (only the inputs of constant-weight MatMul/Gemm, their outputs float:
             transformers), or
@@ -274,6 +289,9 @@ def quantize(
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
     proto = ir.serde.serialize_model(prepared)
+    if equalization:
+        proto, equalized = equalize(proto, feeds, report)
+        report.note(f"activation equalization: {equalized} tensors")
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
     auto = per_channel == "auto"
     options = quantize_static_options(target, False if auto else bool(per_channel))
@@ -318,6 +336,9 @@ def quantize(
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph)(model)
+    if weight_rounding:
+        rounded = round_weights(proto, model, feeds, report)
+        report.note(f"weight rounding: {rounded} layers")
     if bias_correction:
         corrected = correct_biases(proto, model, feeds, report)
         report.note(f"bias correction: {corrected} layers")
