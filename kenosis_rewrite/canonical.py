@@ -311,6 +311,7 @@ def prepare(
     verify: bool = True,
     strict: bool = False,
     return_report: bool = False,
+    reference: fidelity.ReferenceRuns | None = None,
 ):
     """Canonicalize an FP32 model (see the module docstring); the original is never modified.
 
@@ -324,6 +325,8 @@ def prepare(
             only verify): for feeds that are not what the model will see, such as synthetic ones.
         verify: run both models and keep the original when they differ beyond float rounding.
         strict: raise :class:`PrepareFailedError` instead of keeping the original.
+        reference: ``model``'s own runs on ``feeds``, for a caller that runs it on them again
+            (quantize(): its final fidelity); verification then adds to those runs.
 
     Returns:
         The prepared model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
@@ -350,20 +353,23 @@ def prepare(
         return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
     if shapes is None and _symbolic_inputs(work) and _reads_shapes(work):
         report.note("prepare: the graph computes with symbolic input dims; give feeds or input_shapes to fold them")
-    if verify and not _verified(original, work, feeds, report, strict):
+    if verify and reference is None:
+        # without feeds, random inputs of the shapes the prepared model accepts
+        reference = fidelity.ReferenceRuns(original, feeds or fidelity.random_feeds(ir.serde.serialize_model(work), 2))
+    if verify and not _verified(reference, work, report, strict):
         return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
     return _result(loaded, work, report, return_report)
 
 
-def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixReport, strict: bool) -> bool:
-    """Whether ``work`` reproduces ``original`` (declared output shapes repaired on the way)."""
+def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool) -> bool:
+    """Whether ``work`` reproduces the original model on its feeds (declared output shapes repaired
+    on the way)."""
     candidate = ir.serde.serialize_model(work)
-    if not feeds:
-        feeds = fidelity.random_feeds(candidate, 2)
+    feeds = original.feeds
     try:
-        reference = fidelity.run(original, feeds, optimized=False)
+        reference = original.outputs(optimized=False)
         # float rounding as the runtime itself has it: its own fusions (Conv+BN, ...) reorder arithmetic
-        runtime_noise = _max_relative_error(reference, fidelity.run(original, feeds, optimized=True))
+        runtime_noise = _max_relative_error(reference, original.outputs(optimized=True))
     except RuntimeMeasurementError as error:
         report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
         return True

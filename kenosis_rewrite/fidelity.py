@@ -12,7 +12,7 @@ import onnxruntime as ort
 from kenosis_rewrite import _io, _ort
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
-__all__ = ["random_feeds", "session", "run", "cosine", "sqnr_db", "compare_to_float"]
+__all__ = ["random_feeds", "session", "run", "ReferenceRuns", "cosine", "sqnr_db", "compare_to_float", "compare_to_reference"]
 
 _NUMPY_OF_ONNX = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -79,6 +79,27 @@ def run(
         raise RuntimeMeasurementError(f"ONNX Runtime failed to run the model: {error}") from None
 
 
+class ReferenceRuns:
+    """The outputs of one FP32 model on one list of feeds, each feed run at most once per setting.
+
+    quantize() runs the model as given on the calibration feeds in several places (prepare()'s
+    verification, as written and optimized; the final fidelity, optimized): sharing one
+    ReferenceRuns makes those the same runs. Runs are made when first asked for, in feed order."""
+
+    def __init__(self, model: onnx.ModelProto, feeds: Iterable[Mapping[str, np.ndarray]]):
+        self.model = model
+        self.feeds = list(feeds)
+        self._done: dict[bool, list[list[np.ndarray]]] = {}
+
+    def outputs(self, optimized: bool = True, count: int | None = None) -> list[list[np.ndarray]]:
+        """Outputs on the first ``count`` feeds (all by default), as :func:`run` gives them."""
+        count = len(self.feeds) if count is None else min(count, len(self.feeds))
+        done = self._done.setdefault(optimized, [])
+        if len(done) < count:
+            done.extend(run(self.model, self.feeds[len(done):count], optimized))
+        return done[:count]
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
     denominator = np.linalg.norm(a) * np.linalg.norm(b)
@@ -134,8 +155,17 @@ def compare_to_float(
     loaded = _io.load(float_model, require_qdq=False)
     reference_model = _io.to_output(_io.LoadedModel(loaded.model, "proto"))
     feeds = list(feeds) if feeds is not None else random_feeds(reference_model)
-    reference = run(reference_model, feeds, optimized)
-    return {name: _scores(reference, run(model, feeds, optimized)) for name, model in candidates.items()}
+    return compare_to_reference(ReferenceRuns(reference_model, feeds), candidates, optimized)
+
+
+def compare_to_reference(
+    reference: ReferenceRuns, candidates: Mapping[str, onnx.ModelProto], optimized: bool = True, count: int | None = None,
+) -> dict[str, dict[str, float]]:
+    """:func:`compare_to_float` on the first ``count`` feeds of ``reference`` (all by default), its
+    FP32 runs reused where they were made already."""
+    expected = reference.outputs(optimized, count)
+    feeds = reference.feeds[: len(expected)]
+    return {name: _scores(expected, run(model, feeds, optimized)) for name, model in candidates.items()}
 
 
 # ------------------------------------------------------------------ per-output fidelity (the benchmark's)

@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 from onnxruntime.quantization import QuantFormat, QuantType
 
-from kenosis_rewrite import _io, calibration as calib
+from kenosis_rewrite import _io, calibration as calib, fidelity
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
@@ -245,10 +245,13 @@ def quantize(
     report = FixReport(target=target)
     feeds, source = _feeds(original, calibration, calibration_samples, seed)
     report.note(f"calibration: {source}")
+    # the model as given on the calibration feeds: prepare() verifies against these runs, the final
+    # fidelity reuses them
+    float_runs = fidelity.ReferenceRuns(original, feeds)
     canonical = original
     if canonicalize:
         # synthetic feeds have made-up sizes: they must not fix the model's input dims
-        canonical, preparation = prepare_model(original, feeds, return_report=True,
+        canonical, preparation = prepare_model(original, feeds, return_report=True, reference=float_runs,
                                                pin_shapes=not _self_calibrated(calibration))
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
@@ -314,9 +317,7 @@ def quantize(
         _latency_placement(model, report, feeds, latency_budget_s, 1)
     out = ir.serde.serialize_model(model)
     onnx.checker.check_model(out, full_check=True)
-    from kenosis_rewrite import fidelity  # noqa: PLC0415
-
     # against the model as given: canonicalization is part of what the user gets
-    report.fidelity = fidelity.compare_to_float(original, {"quantize_static": qdq, "quantized": out}, feeds[: min(8, len(feeds))])
+    report.fidelity = fidelity.compare_to_reference(float_runs, {"quantize_static": qdq, "quantized": out}, count=8)
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result
