@@ -391,7 +391,7 @@ def prepare_serialized(
 def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool) -> bool:
     """Whether ``work`` reproduces the original model on its feeds (declared output shapes repaired
     on the way)."""
-    candidate = ir.serde.serialize_model(work)
+    candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
     feeds = original.feeds
     try:
         reference = original.outputs(optimized=False)
@@ -407,7 +407,7 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
         # a graph they or we rewrote: that model would not run at all)
         fidelity.run(candidate, feeds[:1], optimized=True)
         if _declared_output_repairs(work, outputs[0], report):
-            candidate = ir.serde.serialize_model(work)
+            candidate = ir.serde.serialize_model(work).SerializeToString()
         onnx.checker.check_model(candidate, full_check=True)
         error = _max_relative_error(reference, outputs)
         reason = None if error <= tolerance else (

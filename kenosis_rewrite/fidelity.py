@@ -53,15 +53,17 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
     return feeds
 
 
-def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
+def session(model: onnx.ModelProto | bytes, optimized: bool = True) -> ort.InferenceSession:
     """An ORT CPU session, one thread; ``optimized=False`` runs the graph as written (ORT_DISABLE_ALL).
+    ``model``: a proto or its serialisation (for a model run more than once: serialising a large
+    model costs as much as loading it).
 
     ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
     """
     return _ort.session(model, _ort.options(1, level="all" if optimized else "none"))
 
 
-def _session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto | bytes, optimized: bool = True) -> ort.InferenceSession:
     try:
         return session(model, optimized)
     except Exception as error:  # noqa: BLE001 - any ORT failure becomes one typed error
@@ -69,9 +71,10 @@ def _session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSes
 
 
 def run(
-    model: onnx.ModelProto, feeds: Iterable[Mapping[str, np.ndarray]], optimized: bool = True,
+    model: onnx.ModelProto | bytes, feeds: Iterable[Mapping[str, np.ndarray]], optimized: bool = True,
 ) -> list[list[np.ndarray]]:
-    """Outputs of ``model`` on each feed (ORT CPU, one thread; ``optimized=False``: the graph as written)."""
+    """Outputs of ``model`` (a proto or its serialisation) on each feed (ORT CPU, one thread;
+    ``optimized=False``: the graph as written)."""
     session = _session(model, optimized)
     try:
         return [session.run(None, dict(feed)) for feed in feeds]
@@ -90,13 +93,16 @@ class ReferenceRuns:
         self.model = model
         self.feeds = list(feeds)
         self._done: dict[bool, list[list[np.ndarray]]] = {}
+        self._serialised: bytes | None = None  # once for every session
 
     def outputs(self, optimized: bool = True, count: int | None = None) -> list[list[np.ndarray]]:
         """Outputs on the first ``count`` feeds (all by default), as :func:`run` gives them."""
         count = len(self.feeds) if count is None else min(count, len(self.feeds))
         done = self._done.setdefault(optimized, [])
         if len(done) < count:
-            done.extend(run(self.model, self.feeds[len(done):count], optimized))
+            if self._serialised is None:
+                self._serialised = self.model.SerializeToString()
+            done.extend(run(self._serialised, self.feeds[len(done):count], optimized))
         return done[:count]
 
 
@@ -161,7 +167,8 @@ def compare_to_float(
 
 
 def compare_to_reference(
-    reference: ReferenceRuns, candidates: Mapping[str, onnx.ModelProto], optimized: bool = True, count: int | None = None,
+    reference: ReferenceRuns, candidates: Mapping[str, onnx.ModelProto | bytes], optimized: bool = True,
+    count: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """:func:`compare_to_float` on the first ``count`` feeds of ``reference`` (all by default), its
     FP32 runs reused where they were made already."""

@@ -323,8 +323,9 @@ def quantize(
     if optimize_for == "latency":
         _latency_placement(model, report, feeds, latency_budget_s, 1)
     out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
+    out_bytes = out.SerializeToString()  # once for the checker and the session
+    onnx.checker.check_model(out_bytes, full_check=True)
     # against the model as given: canonicalization is part of what the user gets
-    report.fidelity = fidelity.compare_to_reference(float_runs, {"quantize_static": qdq, "quantized": out}, count=8)
+    report.fidelity = fidelity.compare_to_reference(float_runs, {"quantize_static": qdq, "quantized": out_bytes}, count=8)
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result
