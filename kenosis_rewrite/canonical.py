@@ -154,8 +154,9 @@ def _fold(model: ir.Model) -> None:
         onnxscript.optimizer.optimize_ir(model, num_iterations=3)
 
 
-def _apply_rules(model: ir.Model, report: FixReport) -> None:
-    """Each family to a fixed point, in an order where one family's output is the next one's input."""
+def _apply_rules(model: ir.Model, report: FixReport) -> int:
+    """Each family to a fixed point, in an order where one family's output is the next one's input.
+    Returns the number of rewrites."""
     families = {
         "sink-transposes": transpose_sinking_rules(),
         "cancel-transposes": RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule]),
@@ -176,9 +177,12 @@ def _apply_rules(model: ir.Model, report: FixReport) -> None:
     for name, count in counts.items():
         if count:
             report.changed(name, "graph", f"{count} rewrites", exact=True)
+    return sum(counts.values())
 
 
-def _declared_output_repairs(model: ir.Model, observed: Sequence[np.ndarray], report: FixReport) -> None:
+def _declared_output_repairs(model: ir.Model, observed: Sequence[np.ndarray], report: FixReport) -> bool:
+    """Declare each graph output with the shape it has in ``observed``; True when any changed."""
+    repaired = False
     for value, array in zip(model.graph.outputs, observed):
         declared = value.shape
         actual = np.shape(array)
@@ -196,6 +200,8 @@ def _declared_output_repairs(model: ir.Model, observed: Sequence[np.ndarray], re
             # with symbolic inputs only the rank is known for every input the model accepts
             static = not _symbolic_inputs(model)
             value.shape = ir.Shape(list(actual) if static else [None] * len(actual))
+            repaired = True
+    return repaired
 
 
 def _max_relative_error(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> float:
@@ -293,8 +299,10 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
                 _fold(model)
     model = _ort_basic_optimized(model, report)
     _fold(model)
-    _apply_rules(model, report)
-    _fold(model)
+    if _apply_rules(model, report):
+        # without a rewrite the graph is the one just folded: folding it again changes nothing (the
+        # whole zoo checked) and costs onnxscript's pattern matching over every node once more
+        _fold(model)
     after = _op_counts(model)
     for op_type in sorted(set(before) | set(after)):
         if before[op_type] != after[op_type]:
@@ -329,41 +337,66 @@ def prepare(
         The prepared model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
     """
     loaded = _io.load(model, require_qdq=False)
-    original = ir.serde.serialize_model(loaded.model)
     report = FixReport(target="prepare")
     for note in loaded.notes:
         report.note(note)
+    prepared = prepare_serialized(ir.serde.serialize_model(loaded.model), feeds, report, input_shapes=input_shapes,
+                                  pin_shapes=pin_shapes, verify=verify, strict=strict)
+    result = prepared if loaded.returns == "ir" else ir.serde.serialize_model(prepared)
+    return (result, report) if return_report else result
+
+
+def prepare_serialized(
+    original: onnx.ModelProto,
+    feeds: Iterable[Mapping[str, np.ndarray]] | None,
+    report: FixReport,
+    *,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    pin_shapes: bool = True,
+    verify: bool = True,
+    strict: bool = False,
+    reference: fidelity.ReferenceRuns | None = None,
+) -> ir.Model:
+    """:func:`prepare` of a model serialised by onnx_ir (what prepare() makes of any argument), its
+    decisions added to ``report``: a new onnx_ir.Model (the original, copied, where canonicalizing
+    failed or did not verify).
+
+    ``reference``: the original's runs on ``feeds``, for a caller that runs it on them again
+    (quantize(): its final fidelity); verification reads and adds to them."""
     feeds = list(feeds) if feeds is not None else None
+    work = ir.serde.deserialize_model(original)
     if input_shapes is not None:
         shapes, source = {name: list(dims) for name, dims in input_shapes.items()}, "given input_shapes"
     elif feeds and pin_shapes:
-        shapes, source = _shapes_in_use(loaded.model, feeds), "from the feeds"
+        shapes, source = _shapes_in_use(work, feeds), "from the feeds"
     else:
         shapes, source = None, ""
-    work = ir.serde.deserialize_model(original)
     try:
         work = canonicalize(work, report, shapes, source)
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - a rewrite that fails leaves the model as exported
         report.note(f"prepare: canonicalization failed ({type(error).__name__}: {error}); the model is used as exported")
-        return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
+        return ir.serde.deserialize_model(original)
     if shapes is None and _symbolic_inputs(work) and _reads_shapes(work):
         report.note("prepare: the graph computes with symbolic input dims; give feeds or input_shapes to fold them")
-    if verify and not _verified(original, work, feeds, report, strict):
-        return _result(loaded, ir.serde.deserialize_model(original), report, return_report)
-    return _result(loaded, work, report, return_report)
+    if not verify:
+        return work
+    if reference is None:
+        # without feeds, random inputs of the shapes the prepared model accepts
+        reference = fidelity.ReferenceRuns(original, feeds or fidelity.random_feeds(ir.serde.serialize_model(work), 2))
+    return work if _verified(reference, work, report, strict) else ir.serde.deserialize_model(original)
 
 
-def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixReport, strict: bool) -> bool:
-    """Whether ``work`` reproduces ``original`` (declared output shapes repaired on the way)."""
-    candidate = ir.serde.serialize_model(work)
-    if not feeds:
-        feeds = fidelity.random_feeds(candidate, 2)
+def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool) -> bool:
+    """Whether ``work`` reproduces the original model on its feeds (declared output shapes repaired
+    on the way)."""
+    candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
+    feeds = original.feeds
     try:
-        reference = fidelity.run(original, feeds, optimized=False)
+        reference = original.outputs(optimized=False)
         # float rounding as the runtime itself has it: its own fusions (Conv+BN, ...) reorder arithmetic
-        runtime_noise = _max_relative_error(reference, fidelity.run(original, feeds, optimized=True))
+        runtime_noise = _max_relative_error(reference, original.outputs(optimized=True))
     except RuntimeMeasurementError as error:
         report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
         return True
@@ -373,8 +406,9 @@ def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixRepor
         # and it must load with every optimization on, as users run it (ORT's own fusions can fail on
         # a graph they or we rewrote: that model would not run at all)
         fidelity.run(candidate, feeds[:1], optimized=True)
-        _declared_output_repairs(work, outputs[0], report)
-        onnx.checker.check_model(ir.serde.serialize_model(work), full_check=True)
+        if _declared_output_repairs(work, outputs[0], report):
+            candidate = ir.serde.serialize_model(work).SerializeToString()
+        onnx.checker.check_model(candidate, full_check=True)
         error = _max_relative_error(reference, outputs)
         reason = None if error <= tolerance else (
             f"outputs differ by {error:.2g} of their magnitude (allowed {tolerance:.2g}: float rounding, or "
@@ -389,8 +423,3 @@ def _verified(original: onnx.ModelProto, work: ir.Model, feeds, report: FixRepor
         raise PrepareFailedError(f"prepare(): {reason}")
     report.note(f"prepare: {reason}; the model is used as exported")
     return False
-
-
-def _result(loaded: _io.LoadedModel, model: ir.Model, report: FixReport, return_report: bool):
-    result = model if loaded.returns == "ir" else ir.serde.serialize_model(model)
-    return (result, report) if return_report else result

@@ -12,7 +12,7 @@ import onnxruntime as ort
 from kenosis_rewrite import _io, _ort
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
-__all__ = ["random_feeds", "session", "run", "cosine", "sqnr_db", "compare_to_float"]
+__all__ = ["random_feeds", "session", "run", "ReferenceRuns", "cosine", "sqnr_db", "compare_to_float", "compare_to_reference"]
 
 _NUMPY_OF_ONNX = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -53,15 +53,17 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
     return feeds
 
 
-def session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
+def session(model: onnx.ModelProto | bytes, optimized: bool = True) -> ort.InferenceSession:
     """An ORT CPU session, one thread; ``optimized=False`` runs the graph as written (ORT_DISABLE_ALL).
+    ``model``: a proto or its serialisation (for a model run more than once: serialising a large
+    model costs as much as loading it).
 
     ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
     """
     return _ort.session(model, _ort.options(1, level="all" if optimized else "none"))
 
 
-def _session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto | bytes, optimized: bool = True) -> ort.InferenceSession:
     try:
         return session(model, optimized)
     except Exception as error:  # noqa: BLE001 - any ORT failure becomes one typed error
@@ -69,9 +71,10 @@ def _session(model: onnx.ModelProto, optimized: bool = True) -> ort.InferenceSes
 
 
 def run(
-    model: onnx.ModelProto, feeds: Iterable[Mapping[str, np.ndarray]], optimized: bool = True,
+    model: onnx.ModelProto | bytes, feeds: Iterable[Mapping[str, np.ndarray]], optimized: bool = True,
 ) -> list[list[np.ndarray]]:
-    """Outputs of ``model`` on each feed (ORT CPU, one thread; ``optimized=False``: the graph as written)."""
+    """Outputs of ``model`` (a proto or its serialisation) on each feed (ORT CPU, one thread;
+    ``optimized=False``: the graph as written)."""
     session = _session(model, optimized)
     try:
         return [session.run(None, dict(feed)) for feed in feeds]
@@ -79,12 +82,38 @@ def run(
         raise RuntimeMeasurementError(f"ONNX Runtime failed to run the model: {error}") from None
 
 
+class ReferenceRuns:
+    """The outputs of one FP32 model on one list of feeds, each feed run at most once per setting.
+
+    quantize() runs the model as given on the calibration feeds in several places (prepare()'s
+    verification, as written and optimized; the final fidelity, optimized): sharing one
+    ReferenceRuns makes those the same runs. Runs are made when first asked for, in feed order."""
+
+    def __init__(self, model: onnx.ModelProto, feeds: Iterable[Mapping[str, np.ndarray]]):
+        self.model = model
+        self.feeds = list(feeds)
+        self._done: dict[bool, list[list[np.ndarray]]] = {}
+        self._serialised: bytes | None = None  # once for every session
+
+    def outputs(self, optimized: bool = True, count: int | None = None) -> list[list[np.ndarray]]:
+        """Outputs on the first ``count`` feeds (all by default), as :func:`run` gives them."""
+        count = len(self.feeds) if count is None else min(count, len(self.feeds))
+        done = self._done.setdefault(optimized, [])
+        if len(done) < count:
+            if self._serialised is None:
+                self._serialised = self.model.SerializeToString()
+            done.extend(run(self._serialised, self.feeds[len(done):count], optimized))
+        return done[:count]
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
-    denominator = np.linalg.norm(a) * np.linalg.norm(b)
+    # numpy's own sums, not BLAS dot: OpenBLAS threads each dot, and on a busy machine one waits
+    # milliseconds for its threads (0.4 s of quantize()'s final fidelity on a YOLOv8n)
+    denominator = np.sqrt(np.sum(a * a)) * np.sqrt(np.sum(b * b))
     if denominator == 0:
         return 1.0 if np.array_equal(a, b) else 0.0
-    return float(np.dot(a, b) / denominator)
+    return float(np.sum(a * b) / denominator)
 
 
 def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
@@ -134,8 +163,18 @@ def compare_to_float(
     loaded = _io.load(float_model, require_qdq=False)
     reference_model = _io.to_output(_io.LoadedModel(loaded.model, "proto"))
     feeds = list(feeds) if feeds is not None else random_feeds(reference_model)
-    reference = run(reference_model, feeds, optimized)
-    return {name: _scores(reference, run(model, feeds, optimized)) for name, model in candidates.items()}
+    return compare_to_reference(ReferenceRuns(reference_model, feeds), candidates, optimized)
+
+
+def compare_to_reference(
+    reference: ReferenceRuns, candidates: Mapping[str, onnx.ModelProto | bytes], optimized: bool = True,
+    count: int | None = None,
+) -> dict[str, dict[str, float]]:
+    """:func:`compare_to_float` on the first ``count`` feeds of ``reference`` (all by default), its
+    FP32 runs reused where they were made already."""
+    expected = reference.outputs(optimized, count)
+    feeds = reference.feeds[: len(expected)]
+    return {name: _scores(expected, run(model, feeds, optimized)) for name, model in candidates.items()}
 
 
 # ------------------------------------------------------------------ per-output fidelity (the benchmark's)

@@ -40,7 +40,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 from onnxruntime.quantization import QuantFormat, QuantType
 
-from kenosis_rewrite import _io, calibration as calib
+from kenosis_rewrite import _io, calibration as calib, fidelity
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
@@ -50,7 +50,7 @@ from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
-from kenosis_rewrite.canonical import prepare as prepare_model
+from kenosis_rewrite.canonical import prepare_serialized
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.plan import WEIGHTED_OPS, choose_plan, plan_options
 from kenosis_rewrite.report import FixReport
@@ -192,6 +192,9 @@ def _shared_concat_ranges(model: onnx.ModelProto, ranges, excluded, report: FixR
 
 
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
+    initializers = {init.name for init in model.graph.initializer}
+    if sum(value.name not in initializers for value in model.graph.input) < 2:
+        return set()  # metadata inputs come beside an image; inferring the inputs runs ORT probes
     specs = calib.infer_inputs(model)
     if not any(s.kind == "image" for s in specs):
         return set()
@@ -276,23 +279,31 @@ def quantize(
     report = FixReport(target=target)
     feeds, source = _feeds(original, calibration, calibration_samples, seed)
     report.note(f"calibration: {source}")
-    canonical = original
+    # the model as given on the calibration feeds: prepare() verifies against these runs, the final
+    # fidelity reuses them
+    float_runs = fidelity.ReferenceRuns(original, feeds)
     if canonicalize:
+        preparation = FixReport(target="prepare")
         # synthetic feeds have made-up sizes: they must not fix the model's input dims
-        canonical, preparation = prepare_model(original, feeds, return_report=True,
-                                               pin_shapes=not _self_calibrated(calibration))
+        prepared = prepare_serialized(original, feeds, preparation, reference=float_runs,
+                                      pin_shapes=not _self_calibrated(calibration))
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
-    prepared = ir.serde.deserialize_model(canonical)
+    else:
+        prepared = ir.serde.deserialize_model(original)
     # Constant nodes become initializers: quantize_static then treats them as weights (int8,
     # per-channel, quantized once), not as activations re-quantized at every run.
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
-    proto = ir.serde.serialize_model(prepared)
+    serialised = ir.serde.serialize_model(prepared)
+    proto = serialised
     if equalization:
         proto, equalized = equalize(proto, feeds, report)
         report.note(f"activation equalization: {equalized} tensors")
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
+    # calibration and quantize_static each load and serialise their model again, to no effect on a
+    # proto onnx_ir serialised (one from equalization or the opset converter has not been)
+    unconverted = proto is serialised
     auto = per_channel == "auto"
     options = quantize_static_options(target, False if auto else bool(per_channel))
     if auto:
@@ -316,7 +327,7 @@ def quantize(
             report.changed(METADATA_RULE, name, "reads a tensor computed from metadata inputs, tensor shapes or "
                            "only constants: not quantized", exact=True)
     try:
-        ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False)
+        ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted)
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types
@@ -325,7 +336,7 @@ def quantize(
         ranges =  _shared_concat_ranges(proto, ranges, options.get("nodes_to_exclude", ()), report)
     try:
         with quiet_logger():
-            qdq = calib.quantize_with_ranges(proto, ranges, **options)
+            qdq = calib.quantize_with_ranges(proto, ranges, serialised=unconverted, **options)
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
@@ -352,10 +363,9 @@ def quantize(
     if optimize_for == "latency":
         _latency_placement(model, report, feeds, latency_budget_s, 1)
     out = ir.serde.serialize_model(model)
-    onnx.checker.check_model(out, full_check=True)
-    from kenosis_rewrite import fidelity  # noqa: PLC0415
-
+    out_bytes = out.SerializeToString()  # once for the checker and the session
+    onnx.checker.check_model(out_bytes, full_check=True)
     # against the model as given: canonicalization is part of what the user gets
-    report.fidelity = fidelity.compare_to_float(original, {"quantize_static": qdq, "quantized": out}, feeds[: min(8, len(feeds))])
+    report.fidelity = fidelity.compare_to_reference(float_runs, {"quantize_static": qdq, "quantized": out_bytes}, count=8)
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result

@@ -200,3 +200,21 @@ def test_sensitivity_compares_a_layer_with_its_fp32_counterpart_not_a_renamed_te
     assert conv.output[0] in float_names and _testing.producer_of(float_model, conv.output[0]).op_type == "Clip"
     analysis = {layer.name: layer for layer in sensitivity.analyze(float_model, quantized, feeds)}
     assert analysis[conv.name].output_sqnr_db > 20 and analysis[conv.name].local_sqnr_db > 20
+
+
+def test_reference_runs_run_each_feed_once_per_setting_and_score_as_compare_to_float(monkeypatch):
+    float_model = toy_models.build("conv_add_relu")
+    feeds = toy_models.random_feeds(float_model, 5)
+    candidate = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    runs = fidelity.ReferenceRuns(float_model, feeds)
+    calls = []
+    real_run = fidelity.run
+    monkeypatch.setattr(fidelity, "run", lambda model, f, optimized=True: calls.append((len(list(f)), optimized))
+                        or real_run(model, f, optimized))
+    assert len(runs.outputs(True, count=2)) == 2
+    assert len(runs.outputs(True)) == 5 and len(runs.outputs(False)) == 5
+    runs.outputs(True, count=3)
+    assert calls == [(2, True), (3, True), (5, False)]  # only the feeds not run yet
+    monkeypatch.setattr(fidelity, "run", real_run)
+    shared = fidelity.compare_to_reference(runs, {"q": candidate}, count=4)
+    assert shared == fidelity.compare_to_float(float_model, {"q": candidate}, feeds[:4])

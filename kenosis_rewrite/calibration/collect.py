@@ -322,6 +322,7 @@ def collect_ranges(
     cache: str | os.PathLike | None = None,
     bins: int = 8192,
     max_pass_bytes: int = DEFAULT_PASS_BYTES,
+    serialised: bool = False,
 ) -> TensorRanges:
     """Per-tensor ``(lo, hi)`` ranges of every float tensor of ``float_model`` over ``feeds``.
 
@@ -330,10 +331,12 @@ def collect_ranges(
     ``cache``: a JSON file, or a directory holding files named by the cache key (sha256 of the model
     + method + percentile). A matching cache is returned without running anything; otherwise the
     result is written there. The cache does not know the feeds: use a new file for new data.
+    ``serialised``: ``float_model`` is a ModelProto that onnx_ir serialised (quantize()'s), used as it
+    is: loading and serialising it again would give the same proto.
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
-    model = _float_proto(float_model)
+    model = float_model if serialised else _float_proto(float_model)
     digest = model_hash(model)
     used_percentile = percentile if method == "percentile" else None
     cache_path = None
@@ -353,11 +356,13 @@ def collect_ranges(
     return result
 
 
-def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, **quantize_static_kwargs) -> onnx.ModelProto:
+def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, serialised: bool = False,
+                         **quantize_static_kwargs) -> onnx.ModelProto:
     """``onnxruntime.quantization.quantize_static`` (QDQ by default) using precomputed ``ranges``.
 
     The ranges go in through ORT's own calibration cache (``calibration_cache_path``), so no
-    calibration inference runs inside quantize_static. Any other keyword goes to quantize_static.
+    calibration inference runs inside quantize_static. ``serialised``: as in :func:`collect_ranges`.
+    Any other keyword goes to quantize_static.
     """
     import tempfile
 
@@ -366,7 +371,7 @@ def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, **qua
     if quantize_static_kwargs.get("calibrate_method", CalibrationMethod.MinMax) != CalibrationMethod.MinMax:
         raise ValueError("precomputed ranges enter quantize_static as a MinMax cache; drop calibrate_method")
     quantize_static_kwargs.setdefault("quant_format", QuantFormat.QDQ)
-    model = _float_proto(float_model)
+    model = float_model if serialised else _float_proto(float_model)
     with tempfile.TemporaryDirectory() as tmp:
         source, target, cache = (os.path.join(tmp, f) for f in ("float.onnx", "qdq.onnx", "ranges.json"))
         onnx.save(model, source)
