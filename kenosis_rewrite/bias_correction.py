@@ -76,6 +76,25 @@ def first_input_readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto
     return readers
 
 
+def matched_layers(float_model: onnx.ModelProto, model: ir.Model, ops: Sequence[str], match,
+                   rule_name: str, report: FixReport | None) -> list:
+    """What ``match(node, float_readers, float_weights)`` returns for each standard-domain node of
+    ``model`` whose op is in ``ops``: the layers it matched with ``float_model``, in graph order; the
+    reasons it returned (strings) for the others go into ``report`` as refusals of ``rule_name``."""
+    float_weights = {init.name: init for init in float_model.graph.initializer}
+    float_readers = first_input_readers(float_model)
+    layers = []
+    for node in model.graph:
+        if node.op_type not in ops or node.domain not in _qdq.DEFAULT_DOMAINS:
+            continue
+        found = match(node, float_readers, float_weights)
+        if not isinstance(found, str):
+            layers.append(found)
+        elif report is not None:
+            report.refused(rule_name, _where(node), found)
+    return layers
+
+
 def float_counterpart(node: ir.Node, source: str, float_readers: Mapping[str, list[onnx.NodeProto]]) -> onnx.NodeProto | None:
     """The FP32 node ``node`` was quantized from: same op reading ``source``; its own name decides
     between several (fix() may have renamed the output, e.g. to the activation it absorbed)."""
@@ -217,18 +236,7 @@ def correct_biases(
 ) -> int:
     """Correct, in place, the bias of every quantized Conv/Gemm of ``model`` (see the module
     docstring) against ``float_model`` on ``feeds``. Returns the number of layers corrected."""
-    float_weights = {init.name: init for init in float_model.graph.initializer}
-    float_readers = first_input_readers(float_model)
-    layers = []
-    for node in model.graph:
-        if node.op_type not in _CORRECTED_OPS or node.domain not in _qdq.DEFAULT_DOMAINS:
-            continue
-        found = _layer(node, float_readers, float_weights)
-        if isinstance(found, str):
-            if report is not None:
-                report.refused(RULE_NAME, _where(node), found)
-        else:
-            layers.append(found)
+    layers = matched_layers(float_model, model, _CORRECTED_OPS, _layer, RULE_NAME, report)
     if not layers or not feeds:
         return 0
     try:

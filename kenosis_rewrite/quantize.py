@@ -333,7 +333,7 @@ def quantize(
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types
         raise KenosisError(f"calibration ({calibration_method}) failed on this model: {one_line(error)}") from error
     if share_concat_ranges and chosen_plan == "full":  # the weighted plan leaves Concats float
-        ranges =  _shared_concat_ranges(proto, ranges, options.get("nodes_to_exclude", ()), report)
+        ranges = _shared_concat_ranges(proto, ranges, options.get("nodes_to_exclude", ()), report)
     try:
         with quiet_logger():
             qdq = calib.quantize_with_ranges(proto, ranges, serialised=unconverted, **options)

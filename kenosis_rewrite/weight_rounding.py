@@ -45,7 +45,7 @@ import onnx
 import onnx_ir as ir
 
 from kenosis_rewrite import _ort, _qdq
-from kenosis_rewrite.bias_correction import first_input_readers, float_counterpart, same_weights
+from kenosis_rewrite.bias_correction import float_counterpart, matched_layers, same_weights
 from kenosis_rewrite.report import FixReport
 
 RULE_NAME = "weight-rounding"
@@ -257,20 +257,9 @@ def round_weights(
     """Re-round, in place, the integer weights of the Conv/Gemm/MatMul layers of ``model`` it can match
     with ``float_model`` (see the module docstring) and whose weights per output channel are at most
     ``max_columns`` (None: every layer). Returns the number of layers re-rounded."""
-    float_weights = {init.name: init for init in float_model.graph.initializer}
-    readers = first_input_readers(float_model)
-    layers = []
-    for node in model.graph:
-        if node.op_type not in _OPS or node.domain not in _qdq.DEFAULT_DOMAINS:
-            continue
-        found = _layer(node, readers, float_weights)
-        if not isinstance(found, str) and max_columns is not None and found.weights.shape[1] > max_columns:
-            continue  # round-to-nearest is as good there (measured), and H would cost columns**2
-        if isinstance(found, str):
-            if report is not None:
-                report.refused(RULE_NAME, _where(node), found)
-        else:
-            layers.append(found)
+    layers = [layer for layer in matched_layers(float_model, model, _OPS, _layer, RULE_NAME, report)
+              # round-to-nearest is as good on wide layers (measured), and H would cost columns**2
+              if max_columns is None or layer.weights.shape[1] <= max_columns]
     if not layers or not feeds:
         return 0
     try:

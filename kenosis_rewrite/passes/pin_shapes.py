@@ -48,10 +48,11 @@ def _is_static_shape(value: ir.Value) -> bool:
     return value.shape is not None and all(isinstance(d, int) and d >= 0 for d in value.shape)
 
 
-def _shape_only_values(graph: ir.Graph) -> set[ir.Value]:
-    """Values computed only from constants and from static shapes, at least one shape among them."""
+def _shape_only_values(graph: ir.Graph) -> dict[ir.Value, None]:
+    """Values computed only from constants and from static shapes, at least one shape among them, in
+    graph order (the folded initializers come out in that order on every run)."""
     constant = set(graph.initializers.values())
-    shape_only: set[ir.Value] = set()
+    shape_only: dict[ir.Value, None] = {}
     for node in graph:  # topological order
         if node.domain not in ("", "ai.onnx") or node.op_type in _NONDETERMINISTIC or any(
                 attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
@@ -66,17 +67,20 @@ def _shape_only_values(graph: ir.Graph) -> set[ir.Value]:
         if not fixed:
             continue
         for value in node.outputs:
-            (shape_only if reads_shape else constant).add(value)
+            if reads_shape:
+                shape_only[value] = None
+            else:
+                constant.add(value)
     return shape_only
 
 
-def _fold_points(graph: ir.Graph, shape_only: set[ir.Value]) -> list[ir.Value]:
+def _fold_points(shape_only: dict[ir.Value, None]) -> list[ir.Value]:
     """The shape-only values something else reads: where the computation can stop. Behind a
     ``Q -> DQ`` pair, the Q's input (the pair stays for the integer kernels that read it)."""
     points: dict[ir.Value, None] = {}
     for value in shape_only:
         readers = [use.node for use in value.uses()]
-        if not (value.is_graph_output() or any(not set(r.outputs) <= shape_only for r in readers)):
+        if not (value.is_graph_output() or any(not all(out in shape_only for out in r.outputs) for r in readers)):
             continue
         producer = value.producer()
         if _qdq.is_dequantize(producer) and producer.inputs[0] in shape_only:
@@ -94,10 +98,6 @@ def _infer_pinned_shapes(model: ir.Model) -> None:
             if not value.is_graph_output():
                 value.shape = None
     common_passes.ShapeInferencePass()(model)
-
-
-def _random_feed(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    return fidelity.random_feeds(model, 1)[0]
 
 
 class PinInputShapesPass(ReportingPass):
@@ -119,7 +119,7 @@ class PinInputShapesPass(ReportingPass):
         before, folded = len(model.graph), 0
         for _ in range(_FOLD_ROUNDS):
             _infer_pinned_shapes(model)
-            points = _fold_points(model.graph, _shape_only_values(model.graph))
+            points = _fold_points(_shape_only_values(model.graph))
             newly = self._fold(model, points) if points else 0
             if not newly:
                 break
@@ -137,7 +137,7 @@ class PinInputShapesPass(ReportingPass):
         probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(v.name) for v in points)
         try:
             session = _ort.session(probe, _ort.options(1, level="none"))
-            values = session.run(None, _random_feed(probe))
+            values = session.run(None, fidelity.random_feeds(probe, 1)[0])
         except Exception as error:  # noqa: BLE001 - ORT raises many types; nothing is folded then
             self.refused("graph", f"ONNX Runtime could not evaluate the shape computations: {error}")
             return 0
