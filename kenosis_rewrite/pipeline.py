@@ -131,6 +131,15 @@ class FixPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=result.modified)
 
 
+def apply_rules(model: ir.Model, target: str, names: Iterable[str], report: FixReport | None = None) -> bool:
+    """Apply only the rules of ``target`` named in ``names``; True when any rewrote ``model``. For a
+    pipeline that ran :class:`FixPass` with them disabled and applies them last (quantize() lowers
+    the integer MatMuls' bias Adds after bias correction, which reads the QDQ form)."""
+    wanted = frozenset(names)
+    rules = [rule for rule in get_target(target).rules(report) if rule.name in wanted]
+    return bool(rules) and _rewrite_until_done(RewriteRuleSet(rules))(model).modified
+
+
 def interface(proto: onnx.ModelProto) -> tuple:
     """What fix() promises to keep: graph inputs/outputs with their types, opsets, metadata."""
     return (

@@ -48,12 +48,13 @@ from kenosis_rewrite.equalization import equalize
 from kenosis_rewrite.weight_rounding import round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
-from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement
+from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
 from kenosis_rewrite.canonical import prepare_serialized
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.plan import WEIGHTED_OPS, choose_plan, plan_options
 from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
 from kenosis_rewrite.targets import get_target
 
 __all__ = ["quantize", "quantize_static_options"]
@@ -342,7 +343,9 @@ def quantize(
     except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
         raise KenosisError(f"onnxruntime's quantize_static failed on this model: {one_line(error)}") from error
     model = ir.serde.deserialize_model(qdq)
-    FixPass(target, report)(model)
+    # the integer MatMuls keep their QDQ form until bias correction and the FP32 fallbacks have read it
+    deferred = (INTEGER_MATMUL_BIAS,)
+    FixPass(target, report, disabled=deferred)(model)
     if chosen_plan == "weighted":
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
@@ -362,6 +365,8 @@ def quantize(
     CleanupPass()(model)
     if optimize_for == "latency":
         _latency_placement(model, report, feeds, latency_budget_s, 1)
+    if apply_rules(model, target, deferred, report):
+        CleanupPass()(model)
     out = ir.serde.serialize_model(model)
     out_bytes = out.SerializeToString()  # once for the checker and the session
     onnx.checker.check_model(out_bytes, full_check=True)

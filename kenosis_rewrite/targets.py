@@ -55,6 +55,7 @@ from kenosis_rewrite.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldB
 from kenosis_rewrite.rules.gather_dequantize import GatherBeforeDequantize
 from kenosis_rewrite.rules.matmul_nbits import matmul_nbits_rules
 from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
+from kenosis_rewrite.rules.integer_matmul_bias import integer_matmul_bias_rules
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.sigmoid_gate import QuantizeSigmoidGate
 
@@ -120,8 +121,11 @@ TARGETS: dict[str, Target] = {
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
         pre_passes=lambda report: [ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)],
-        # SkipLayerNormalization measured 1.3-8x slower than Sum + LayerNormalization on x86 (rules.residual_sum)
-        rules=lambda report: [*_ort_rules(report), *residual_sum_rules(report).rules],
+        # the integer MatMuls' bias Adds fused into MatMulIntegerToFloat (rules.integer_matmul_bias) before
+        # residual_sum sees them; SkipLayerNormalization measured 1.3-8x slower than Sum +
+        # LayerNormalization on x86 (rules.residual_sum)
+        rules=lambda report: [*_ort_rules(report), *integer_matmul_bias_rules(report).rules,
+                              *residual_sum_rules(report).rules],
         post_passes=_ort_post,
     ),
     "ort-cpu-arm": Target(

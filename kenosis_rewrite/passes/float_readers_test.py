@@ -96,10 +96,15 @@ def test_quantize_weighted_plan_leaves_dqs_to_the_matmuls_only(seed):
     for node in quantized.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node.op_type)
-    dequantized = [out for node in quantized.graph.node if node.op_type == "DequantizeLinear" for out in node.output]
-    assert dequantized
+    integer_inputs = {name for node in quantized.graph.node if node.op_type == "MatMulInteger" for name in node.input[:2]}
+    dequantized = [out for node in quantized.graph.node if node.op_type == "DequantizeLinear"
+                   and node.input[0] not in {i.name for i in quantized.graph.initializer if i.data_type == onnx.TensorProto.INT32}
+                   for out in node.output]
+    assert dequantized or integer_inputs
     for name in dequantized:  # each DQ feeds a weighted op only: nothing float reads a rounded copy
         assert set(consumers[name]) <= {"MatMul", "Gemm"}, (name, consumers[name])
+    for name in integer_inputs:  # integer-matmul-bias: the quantized codes go to MatMulInteger only
+        assert set(consumers[name]) == {"MatMulInteger"}, (name, consumers[name])
     assert any(c.rule == RULE_NAME for c in report.changes)
     held_out = [{"x": (rng.standard_normal((1, 8, 32)) * 2).astype(np.float32)} for _ in range(4)]
     assert _testing.graph_cosine(model, quantized, held_out) >= 0.999

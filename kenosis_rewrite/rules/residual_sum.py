@@ -166,4 +166,4 @@ class MatMulBiasAsSum(_AddAsSum):
 
 
 def residual_sum_rules(report: FixReport | None = None) -> RewriteRuleSet:
-    return RewriteRuleSet([ResidualAddAsSum.rule(report), MatMulBiasAsSum.rule(report)])
+    return RewriteRuleSet([ResidualAddAsSum.rule(report), MatMulBiasAsSum.rule(report)], commute=True)  # Add(bias, product) too
