@@ -25,13 +25,14 @@ from kenosis_rewrite.errors import (
 ModelLike = Union[onnx.ModelProto, ir.Model, str, os.PathLike]
 
 # Ops that only exist in QOperator-format models (quantize_static with QuantFormat.QOperator).
-# MatMulInteger is not one: fix() itself writes it for an integer MatMul whose bias ORT then fuses
-# (rules.integer_matmul_bias), so fix() must accept its own output; it leaves MatMulInteger alone.
+# MatMulInteger and DynamicQuantizeLinear are not: fix() writes MatMulInteger for an integer MatMul
+# whose bias ORT then fuses (rules.integer_matmul_bias), quantize() both for run-time activation
+# ranges (passes.dynamic_activations), and fix() must accept its own output; it leaves them alone.
 QOPERATOR_OPS = frozenset(
     {
         "QLinearConv", "QLinearMatMul", "ConvInteger", "QLinearAdd", "QLinearMul",
         "QGemm", "QLinearConcat", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearAveragePool",
-        "QLinearGlobalAveragePool", "QLinearSoftmax", "QLinearWhere", "DynamicQuantizeLinear",
+        "QLinearGlobalAveragePool", "QLinearSoftmax", "QLinearWhere",
     }
 )
 MIN_OPSET = 10  # QuantizeLinear/DequantizeLinear appeared in opset 10.
@@ -218,6 +219,12 @@ ALREADY_FUSED_NOTE = (
     "the model has no QuantizeLinear/DequantizeLinear: its weights are already in ONNX Runtime's fused "
     "weight-only form (com.microsoft.MatMulNBits), which is what fix() would produce; left unchanged"
 )
+DYNAMIC_INTEGER_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger"})
+DYNAMIC_NOTE = (
+    "the model has no QuantizeLinear/DequantizeLinear: its integer MatMuls quantize their inputs at run "
+    "time (DynamicQuantizeLinear -> MatMulInteger, as quantize_dynamic and quantize()'s weighted plan "
+    "write them), which ORT fuses as they are; fix() rewrites only the float graph around them"
+)
 _UNSORTED = "topologically sorted"
 SORTED_NOTE = "the input graph was not in topological order (ONNX Runtime sorts on load; the checker refuses): sorted"
 
@@ -272,6 +279,9 @@ def check_quantized(model: ir.Model) -> list[str]:
     if not has_qdq and any(node.op_type in FUSED_WEIGHT_ONLY_OPS and node.domain == "com.microsoft"
                            for node in ir.traversal.RecursiveGraphIterator(model.graph)):
         return [ALREADY_FUSED_NOTE]
+    if not has_qdq and any(node.op_type in DYNAMIC_INTEGER_OPS and node.domain in _qdq.DEFAULT_DOMAINS
+                           for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+        return [DYNAMIC_NOTE]
     if not has_qdq:
         raise NoQDQError(
             "The model has no QuantizeLinear/DequantizeLinear nodes: it is not QDQ-quantized, so there is "

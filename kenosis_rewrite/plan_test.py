@@ -35,9 +35,10 @@ def _producer_types(model: onnx.ModelProto, node: onnx.NodeProto) -> list[str | 
     return [producers.get(name) for name in node.input]
 
 
-def test_weighted_plan_quantizes_only_weight_matmuls_and_leaves_their_outputs_float(transformer):
-    quantized, report = quantize(transformer, _feeds(16, 0), calibration_samples=16, return_report=True)
-    assert any(note.startswith("plan: weighted") for note in report.notes)
+def test_weighted_static_plan_quantizes_only_weight_matmuls_and_leaves_their_outputs_float(transformer):
+    quantized, report = quantize(transformer, _feeds(16, 0), calibration_samples=16, plan="weighted-static",
+                                 return_report=True)
+    assert any(note.startswith("plan: weighted-static") for note in report.notes)
     consumers: dict[str, list[str]] = {}
     for node in quantized.graph.node:
         for name in node.input:
@@ -59,6 +60,31 @@ def test_weighted_plan_quantizes_only_weight_matmuls_and_leaves_their_outputs_fl
     assert runs["MatMulIntegerToFloat"] + runs["QGemm"] == 12 and "QLinearMatMul" not in runs
     assert runs["Gemm"] == 0 and runs["MatMul"] + runs["FusedMatMul"] == 4
     assert "SkipLayerNormalization" not in runs
+
+
+def test_weighted_plan_quantizes_weight_matmul_inputs_at_run_time(transformer):
+    calibration, held_out = _feeds(16, 0), _feeds(8, 1)
+    quantized, report = quantize(transformer, calibration, calibration_samples=16, return_report=True)
+    assert any(note.startswith("plan: weighted (") for note in report.notes)
+    producers = {out: n for n in quantized.graph.node for out in n.output}
+    integer = [n for n in quantized.graph.node if n.op_type == "MatMulInteger"]
+    assert len(integer) == 12
+    for node in integer:  # the run-time range of the float tensor, int8 weight codes
+        assert producers[node.input[0]].op_type == "DynamicQuantizeLinear", node.name
+        assert node.input[1] in {i.name for i in quantized.graph.initializer}
+    types = _testing.op_types(quantized)
+    assert types["QuantizeLinear"] == 0 and types["DequantizeLinear"] == 0
+    assert types["Sum"] == 4 and types["MatMul"] == 4  # residuals as Sum; attention float
+    runs = _testing.ort_optimized_op_types(quantized)
+    assert runs["MatMulIntegerToFloat"] + runs["DynamicQuantizeMatMul"] == 12 and runs["Gemm"] == 0
+    assert "SkipLayerNormalization" not in runs and "MatMulInteger" not in runs
+    static = quantize(transformer, calibration, calibration_samples=16, plan="weighted-static")
+    reference = [_testing.outputs(transformer, feed)[0] for feed in held_out]
+
+    def worst(model):
+        return min(fidelity.cosine(r, _testing.outputs(model, feed)[0]) for r, feed in zip(reference, held_out))
+
+    assert worst(quantized) >= 0.995 and worst(quantized) >= worst(static) - 0.001
 
 
 def test_weighted_plan_is_more_faithful_than_quantizing_every_op(transformer):

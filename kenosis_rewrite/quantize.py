@@ -51,8 +51,9 @@ from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
 from kenosis_rewrite.canonical import prepare_serialized
+from kenosis_rewrite.passes.dynamic_activations import DynamicActivationsPass
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
-from kenosis_rewrite.plan import WEIGHTED_OPS, choose_plan, plan_options
+from kenosis_rewrite.plan import WEIGHTED_OPS, WEIGHTED_PLANS, choose_plan, plan_options
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
 from kenosis_rewrite.targets import get_target
@@ -144,7 +145,7 @@ def _opset_for_per_channel(model: onnx.ModelProto, per_channel, report: FixRepor
 AUTO_PER_CHANNEL_GAIN_DB = 6.0  # one bit: per-channel must buy at least this much weight SNR
 # measured per plan: percentile ranges on CNNs (outliers are noise), min/max on transformers
 # (outlier channels carry the signal); see the calibration_method argument
-DEFAULT_CALIBRATION_METHOD = {"full": "percentile", "weighted": "minmax"}
+DEFAULT_CALIBRATION_METHOD = {"full": "percentile", "weighted": "minmax", "weighted-static": "minmax"}
 
 
 def _weight_snr_db(weights: np.ndarray, axis: int | None) -> float:
@@ -262,8 +263,9 @@ def quantize(
         equalization: stretch the narrow channels of activations read only by depthwise Convs
             (:mod:`kenosis_rewrite.equalization`; on by default, measured with weight_rounding above).
         plan: which ops to quantize (:mod:`kenosis_rewrite.plan`): ``"full"`` (every op, CNNs),
-            ``"weighted"`` (only the inputs of constant-weight MatMul/Gemm, their outputs float:
-            transformers), or
+            ``"weighted"`` (only the inputs of constant-weight MatMul/Gemm, with their own range on
+            every run, their outputs float: transformers), ``"weighted-static"`` (the same with
+            calibrated input ranges), or
             ``"auto"`` (``"weighted"`` where the graph has attention).
 
     Returns:
@@ -346,7 +348,7 @@ def quantize(
     # the integer MatMuls keep their QDQ form until bias correction and the FP32 fallbacks have read it
     deferred = (INTEGER_MATMUL_BIAS,)
     FixPass(target, report, disabled=deferred)(model)
-    if chosen_plan == "weighted":
+    if chosen_plan in WEIGHTED_PLANS:
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph)(model)
@@ -365,7 +367,9 @@ def quantize(
     CleanupPass()(model)
     if optimize_for == "latency":
         _latency_placement(model, report, feeds, latency_budget_s, 1)
-    if apply_rules(model, target, deferred, report):
+    # the weighted plan quantizes activations at run time: after everything that reads the QDQ form
+    lowered = chosen_plan == "weighted" and DynamicActivationsPass(report)(model).modified
+    if apply_rules(model, target, deferred, report) or lowered:
         CleanupPass()(model)
     out = ir.serde.serialize_model(model)
     out_bytes = out.SerializeToString()  # once for the checker and the session
