@@ -361,12 +361,15 @@ def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, se
     """``onnxruntime.quantization.quantize_static`` (QDQ by default) using precomputed ``ranges``.
 
     The ranges go in through ORT's own calibration cache (``calibration_cache_path``), so no
-    calibration inference runs inside quantize_static. ``serialised``: as in :func:`collect_ranges`.
+    calibration inference runs inside quantize_static; per-channel weight parameters are computed a
+    tensor at a time (:mod:`kenosis_rewrite.calibration.ort_static`, the same model). ``serialised``: as in :func:`collect_ranges`.
     Any other keyword goes to quantize_static.
     """
     import tempfile
 
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat
+
+    from kenosis_rewrite.calibration.ort_static import quantize_static_qdq
 
     if quantize_static_kwargs.get("calibrate_method", CalibrationMethod.MinMax) != CalibrationMethod.MinMax:
         raise ValueError("precomputed ranges enter quantize_static as a MinMax cache; drop calibrate_method")
@@ -376,5 +379,5 @@ def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, se
         source, target, cache = (os.path.join(tmp, f) for f in ("float.onnx", "qdq.onnx", "ranges.json"))
         onnx.save(model, source)
         ranges.write_ort_cache(cache)
-        quantize_static(source, target, None, calibration_cache_path=cache, **quantize_static_kwargs)
+        quantize_static_qdq(source, target, cache, **quantize_static_kwargs)
         return onnx.load(target)
