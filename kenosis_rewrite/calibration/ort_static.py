@@ -3,10 +3,11 @@ parameters computed a whole tensor at a time.
 
 ORT's ``QDQQuantizer`` computes each per-channel weight's scale and zero point one channel at a
 time in Python (a ``compute_data_quant_params`` call per output channel: 17,000 calls on
-MobileNetV2, a third of ``quantize_static``). :class:`ChannelVectorisedQDQQuantizer` computes the
-common case (symmetric int8/uint8/int16/uint16 per-channel weights, no per-channel range
-overrides, no minimum real range, no blocks) with array operations, element for element the same
-arithmetic, and leaves every other tensor to ORT's own code.
+MobileNetV2, a third of ``quantize_static``), then quantizes those weights one channel per call
+again. :class:`ChannelVectorisedQDQQuantizer` computes the common case (symmetric
+int8/uint8/int16/uint16 per-channel weights, no per-channel range overrides, no minimum real
+range, no blocks) with array operations, element for element the same arithmetic, and leaves
+every other tensor to ORT's own code.
 
 :func:`quantize_static_qdq` is ``quantize_static``'s QDQ path for a calibration cache (its steps,
 in its order: load with shape inference, opset update, argument checks, quantizer, save) with
@@ -27,6 +28,8 @@ from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, 
 from onnxruntime.quantization import qdq_quantizer
 from onnxruntime.quantization.calibrate import load_tensors_data
 from onnxruntime.quantization.quant_utils import (
+    ONNX_TYPE_TO_NP_TYPE,
+    TENSOR_NAME_QUANT_SUFFIX,
     get_qmin_qmax_for_qType,
     load_model_with_shape_infer,
     normalize_axis,
@@ -34,7 +37,7 @@ from onnxruntime.quantization.quant_utils import (
 )
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-__all__ = ["ChannelVectorisedQDQQuantizer", "channel_quant_params", "quantize_static_qdq"]
+__all__ = ["ChannelVectorisedQDQQuantizer", "channel_quant_params", "quantize_channels", "quantize_static_qdq"]
 
 _VECTORISED_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
 _RANGE_OVERRIDES = ("rmin", "rmax")
@@ -56,6 +59,16 @@ def channel_quant_params(data: np.ndarray, axis: int, quant_type: int, reduce_ra
     zero_point = np.where(too_small, np.array(0, dtype=qmin.dtype), middle).astype(qmin.dtype)
     stored = np.where(too_small, np.array(1.0, dtype=data.dtype), scale.astype(data.dtype)).astype(data.dtype)
     return zero_point, stored
+
+
+def quantize_channels(data: np.ndarray, axis: int, quant_type: int, zero_point: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Float32 ``data`` quantized along ``axis``: ORT's ``quantize_nparray`` of each channel, concatenated."""
+    shape = [1] * data.ndim
+    shape[axis] = -1
+    qmin, qmax = get_qmin_qmax_for_qType(quant_type, reduce_range=False, symmetric=False)
+    values = np.asarray((data.astype(np.float32) / scale.reshape(shape)).round() + zero_point.reshape(shape))
+    np.clip(values, qmin, qmax, out=values)
+    return values.astype(ONNX_TYPE_TO_NP_TYPE[quant_type])
 
 
 class ChannelVectorisedQDQQuantizer(qdq_quantizer.QDQQuantizer):
@@ -106,6 +119,29 @@ class ChannelVectorisedQDQQuantizer(qdq_quantizer.QDQQuantizer):
         # ORT's order: the order of tensors_to_quantize
         return {name: vectorised.get(name, computed.get(name)) for name in every_tensor
                 if name in vectorised or name in computed}
+
+    def _add_qdq_nodes_for_initializer(self, weight_proto: onnx.TensorProto):
+        """ORT's method (quantized weight -> DequantizeLinear), a per-channel weight quantized by
+        :func:`quantize_channels`; ORT's own code for everything else."""
+        name = weight_proto.name
+        params = self.initializer_quant_params.get(name)
+        if (name in self.quantized_value_map or self.add_qdq_pair_to_weight or params is None
+                or params.get("axis") is None or params.get("block_size", 0)
+                or params["quant_type"] not in _VECTORISED_TYPES or weight_proto.data_type != onnx.TensorProto.FLOAT):
+            return super()._add_qdq_nodes_for_initializer(weight_proto)
+        axis = params.get("axis")
+        scale_zp = self._make_scale_zp_initializers(name, params)
+        dequantized = qdq_quantizer.add_dequant_output_suffix(name)
+        self.model.replace_input_of_all_nodes(name, dequantized)
+        data = qdq_quantizer.tensor_proto_to_array(weight_proto)
+        integers = quantize_channels(data, axis, params["quant_type"], params["zero_point"], params["scale"])
+        quantized = onnx.numpy_helper.from_array(integers.reshape(weight_proto.dims), f"{name}{TENSOR_NAME_QUANT_SUFFIX}")
+        self.model.add_initializer(quantized)
+        self._create_dq_node(quantized.name, dequantized, qdq_quantizer.add_dequant_suffix(name),
+                             scale_zp.scale.name, scale_zp.zero_point.name, axis=axis, block_size=0)
+        value = qdq_quantizer.QuantizedValue(name, quantized.name, scale_zp.scale.name, scale_zp.zero_point.name,
+                                             qdq_quantizer.QuantizedValueType.Initializer, axis=axis)
+        self.quantized_value_map[name] = qdq_quantizer.QDQTensorQuantizedValue(value, None, None)
 
 
 def _handled(quant_format, activation_type, weight_type, calibrate_method, extra_options) -> bool:
