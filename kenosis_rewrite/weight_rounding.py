@@ -202,7 +202,8 @@ def _moment_sample(inputs: _Inputs | _Layer, batch: np.ndarray, moment: _Moments
 
 
 def _columns(node: onnx.NodeProto, dims: tuple[int, ...]) -> int:
-    """Weights per output channel of an FP32 layer with weights of shape ``dims`` (as :func:`_layer` lays them out)."""
+    """Weights per output channel of an FP32 layer with 4-D (Conv) or 2-D weights of shape ``dims``
+    (as :func:`_layer` lays them out)."""
     if node.op_type == "Conv":
         return int(np.prod(dims[1:]))
     trans_b = node.op_type == "Gemm" and next((a.i for a in node.attribute if a.name == "transB"), 0)
@@ -222,7 +223,10 @@ class InputMoments:
             if (node.op_type not in _OPS or node.domain not in _qdq.DEFAULT_DOMAINS or len(node.input) < 2
                     or not node.input[0] or node.input[1] not in weights):
                 continue
-            if max_columns is not None and _columns(node, tuple(weights[node.input[1]].dims)) > max_columns:
+            dims = tuple(weights[node.input[1]].dims)
+            if len(dims) != (4 if node.op_type == "Conv" else 2):
+                continue  # _layer leaves them
+            if max_columns is not None and _columns(node, dims) > max_columns:
                 continue
             if node.op_type == "Conv":
                 geometry = _conv_input_geometry(node, onnx.numpy_helper.to_array(weights[node.input[1]]))
