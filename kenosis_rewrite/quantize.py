@@ -45,7 +45,7 @@ from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
 from kenosis_rewrite.equalization import equalize
-from kenosis_rewrite.weight_rounding import round_weights
+from kenosis_rewrite.weight_rounding import InputMoments, round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
@@ -329,8 +329,11 @@ def quantize(
         for name in excluded:
             report.changed(METADATA_RULE, name, "reads a tensor computed from metadata inputs, tensor shapes or "
                            "only constants: not quantized", exact=True)
+    # weight rounding's layer inputs, gathered from the calibration run (which computes every tensor)
+    layer_inputs = InputMoments(proto) if weight_rounding else None
     try:
-        ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted)
+        ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
+                                      observe=layer_inputs.observe if layer_inputs is not None else None)
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types
@@ -353,7 +356,7 @@ def quantize(
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph)(model)
     if weight_rounding:
-        rounded = round_weights(proto, model, feeds, report)
+        rounded = round_weights(proto, model, feeds, report, gathered=layer_inputs)
         report.note(f"weight rounding: {rounded} layers")
     if bias_correction:
         corrected = correct_biases(proto, model, feeds, report)

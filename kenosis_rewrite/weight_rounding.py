@@ -61,6 +61,7 @@ MAX_STEPS = 2  # no weight moves further than this from its round-to-nearest gri
 class _Layer:
     node: ir.Node
     source: str  # the FP32 tensor the layer reads
+    reference: str  # the FP32 layer's output: names the layer whose inputs :class:`InputMoments` gathered
     weights: np.ndarray  # FP32 weights as (rows, columns): rows are output channels
     rows_per_group: int  # depthwise: output channels per input channel; 0: one H for all rows
     kernel: tuple[int, ...]  # Conv: kernel dims; () for Gemm/MatMul
@@ -110,25 +111,32 @@ def _layer(node: ir.Node, readers, float_weights) -> _Layer | str:
     weights = onnx.numpy_helper.to_array(float_weights[original.input[1]]).astype(np.float64)
     per_axis = not params.is_per_tensor
     if node.op_type == "Conv":
-        if weights.ndim != 4:
-            return "not a 2-D convolution"
-        group = next((a.i for a in original.attribute if a.name == "group"), 1)
-        if group != 1 and weights.shape[1] != 1:
-            return f"grouped convolution (group {group}) that is not depthwise"
-        if per_axis and params.axis % 4 != 0:
-            return "per-channel weights not along the output channels"
-        geometry = _conv_geometry(original, weights.shape[2:])
+        geometry = _conv_input_geometry(original, weights)
         if isinstance(geometry, str):
             return geometry
-        return _Layer(node, source, weights.reshape(weights.shape[0], -1), weights.shape[0] // group if group > 1 else 0,
-                      weights.shape[2:], *geometry, data, params, "conv")
+        if per_axis and params.axis % 4 != 0:
+            return "per-channel weights not along the output channels"
+        return _Layer(node, source, original.output[0], weights.reshape(weights.shape[0], -1), *geometry, data, params, "conv")
     if weights.ndim != 2 or (node.op_type == "Gemm" and node.attributes.get_int("transA", 0)):
         return "not a 2-D weight read from the right"
     by_rows = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
     if per_axis and params.axis % 2 != (0 if by_rows else 1):
         return "per-channel weights not along the output units"
-    return _Layer(node, source, weights if by_rows else weights.T, 0, (), (), (), (), data, params,
+    return _Layer(node, source, original.output[0], weights if by_rows else weights.T, 0, (), (), (), (), data, params,
                   "rows" if by_rows else "columns")
+
+
+def _conv_input_geometry(original: onnx.NodeProto, weights: np.ndarray) -> tuple | str:
+    """(rows_per_group, kernel, pads, strides, dilations) of an FP32 Conv, or why weight rounding leaves it."""
+    if weights.ndim != 4:
+        return "not a 2-D convolution"
+    group = next((a.i for a in original.attribute if a.name == "group"), 1)
+    if group != 1 and weights.shape[1] != 1:
+        return f"grouped convolution (group {group}) that is not depthwise"
+    geometry = _conv_geometry(original, weights.shape[2:])
+    if isinstance(geometry, str):
+        return geometry
+    return (weights.shape[0] // group if group > 1 else 0, weights.shape[2:], *geometry)
 
 
 def _positions(count: int) -> np.ndarray:
@@ -171,6 +179,78 @@ class _Moments:
         return self.outer / max(self.count, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """How an FP32 layer reads its input: what its ``H`` is made from (the fields :func:`_patches` reads)."""
+
+    source: str
+    rows_per_group: int
+    kernel: tuple[int, ...]
+    pads: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+
+
+def _inputs_of(layer: _Layer) -> _Inputs:
+    return _Inputs(layer.source, layer.rows_per_group, layer.kernel, layer.pads, layer.strides, layer.dilations)
+
+
+def _moment_sample(inputs: _Inputs | _Layer, batch: np.ndarray, moment: _Moments) -> None:
+    """Add one run's input tensor of the layer to its moments (a Conv's batch one sample at a time)."""
+    for sample in (batch if inputs.kernel else [batch]):
+        moment.add(inputs, np.asarray(sample, dtype=np.float32))
+
+
+def _columns(node: onnx.NodeProto, dims: tuple[int, ...]) -> int:
+    """Weights per output channel of an FP32 layer with 4-D (Conv) or 2-D weights of shape ``dims``
+    (as :func:`_layer` lays them out)."""
+    if node.op_type == "Conv":
+        return int(np.prod(dims[1:]))
+    trans_b = node.op_type == "Gemm" and next((a.i for a in node.attribute if a.name == "transB"), 0)
+    return dims[-1] if trans_b else dims[0]
+
+
+class InputMoments:
+    """The ``H`` of every FP32 layer of ``float_model`` weight rounding may re-round (at most
+    ``max_columns`` weights per output channel), gathered from runs made for something else:
+    :meth:`observe` takes each run's tensors (quantize() passes it to the calibration run, which
+    computes them all). :func:`round_weights` then runs the model only for layers not seen here."""
+
+    def __init__(self, float_model: onnx.ModelProto, max_columns: int | None = MAX_COLUMNS):
+        weights = {init.name: init for init in float_model.graph.initializer}
+        self._inputs: dict[str, _Inputs] = {}
+        for node in float_model.graph.node:
+            if (node.op_type not in _OPS or node.domain not in _qdq.DEFAULT_DOMAINS or len(node.input) < 2
+                    or not node.input[0] or node.input[1] not in weights):
+                continue
+            dims = tuple(weights[node.input[1]].dims)
+            if len(dims) != (4 if node.op_type == "Conv" else 2):
+                continue  # _layer leaves them
+            if max_columns is not None and _columns(node, dims) > max_columns:
+                continue
+            if node.op_type == "Conv":
+                geometry = _conv_input_geometry(node, onnx.numpy_helper.to_array(weights[node.input[1]]))
+                if isinstance(geometry, str):
+                    continue
+                self._inputs[node.output[0]] = _Inputs(node.input[0], *geometry)
+            else:
+                self._inputs[node.output[0]] = _Inputs(node.input[0], 0, (), (), (), ())
+        self._moments = {reference: _Moments() for reference in self._inputs}
+
+    def observe(self, values: Mapping[str, np.ndarray]) -> None:
+        """Add one run's tensors (by name; those it has of the layers' inputs)."""
+        for reference, inputs in self._inputs.items():
+            if inputs.source in values:
+                _moment_sample(inputs, values[inputs.source], self._moments[reference])
+
+    def of(self, layer: _Layer) -> _Moments | None:
+        """The moments gathered for ``layer``'s FP32 counterpart, read the way ``layer`` reads it; None if none."""
+        moment = self._moments.get(layer.reference)
+        if moment is None or not moment.count or self._inputs[layer.reference] != _inputs_of(layer):
+            return None
+        return moment
+
+
 def _measure(float_model: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> list[_Moments]:
     model = onnx.ModelProto()
     model.CopyFrom(float_model)
@@ -182,10 +262,16 @@ def _measure(float_model: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> l
     for feed in feeds:
         values = dict(zip(sources, session.run(sources, dict(feed))))
         for layer, moment in zip(layers, moments):
-            batch = values[layer.source]
-            for sample in (batch if layer.kernel else [batch]):
-                moment.add(layer, np.asarray(sample, dtype=np.float32))
+            _moment_sample(layer, values[layer.source], moment)
     return moments
+
+
+def _moments(float_model: onnx.ModelProto, layers: Sequence[_Layer], feeds, gathered: InputMoments | None) -> list[_Moments]:
+    """Per layer, its input moments: ``gathered``'s where it has them, measured on ``feeds`` otherwise."""
+    known = [gathered.of(layer) if gathered is not None else None for layer in layers]
+    missing = [layer for layer, moment in zip(layers, known) if moment is None]
+    measured = iter(_measure(float_model, missing, feeds) if missing else [])
+    return [moment if moment is not None else next(measured) for moment in known]
 
 
 def _grid(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
@@ -253,17 +339,19 @@ def round_weights(
     feeds: Sequence[Mapping[str, np.ndarray]],
     report: FixReport | None = None,
     max_columns: int | None = MAX_COLUMNS,
+    gathered: InputMoments | None = None,
 ) -> int:
     """Re-round, in place, the integer weights of the Conv/Gemm/MatMul layers of ``model`` it can match
     with ``float_model`` (see the module docstring) and whose weights per output channel are at most
-    ``max_columns`` (None: every layer). Returns the number of layers re-rounded."""
+    ``max_columns`` (None: every layer). ``gathered``: inputs already seen on ``feeds`` (the layers
+    it has are not run again). Returns the number of layers re-rounded."""
     layers = [layer for layer in matched_layers(float_model, model, _OPS, _layer, RULE_NAME, report)
               # round-to-nearest is as good on wide layers (measured), and H would cost columns**2
               if max_columns is None or layer.weights.shape[1] <= max_columns]
     if not layers or not feeds:
         return 0
     try:
-        moments = _measure(float_model, layers, feeds)
+        moments = _moments(float_model, layers, feeds, gathered)
     except Exception as error:  # noqa: BLE001 - ORT raises many types; the model stays as quantized
         if report is not None:
             report.note(f"weight rounding skipped: ONNX Runtime could not run the FP32 model ({error})")

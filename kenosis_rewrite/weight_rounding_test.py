@@ -209,3 +209,23 @@ def test_weight_dequantize_parameters_are_read_not_written():
     params = _qdq.quant_params(node.inputs[1].producer())
     round_weights(float_model, before, feeds)
     assert _qdq.quant_params(node.inputs[1].producer()).same_as(params)
+
+
+@pytest.mark.parametrize("kernel,stride,pads,dilation", [(3, 2, (0, 0, 1, 1), 1), (5, 2, (2, 1, 2, 1), 1)])
+def test_inputs_gathered_from_the_calibration_run_round_as_measured_ones(monkeypatch, kernel, stride, pads, dilation):
+    from kenosis_rewrite import calibration as calib
+
+    float_model = _stem_and_depthwise(kernel, stride, pads, dilation)
+    feeds = _feeds(4, 0)
+    quantized = quantize(float_model, feeds, bias_correction=False, **_PLAIN)
+    gathered = weight_rounding.InputMoments(float_model)
+    calib.collect_ranges(float_model, feeds, "minmax", progress=False, observe=gathered.observe)
+    measured, _ = _rounded(float_model, quantized, feeds)
+
+    def no_run(*args):
+        raise AssertionError("gathered layers are not run again")
+
+    monkeypatch.setattr(weight_rounding, "_measure", no_run)
+    from_calibration, report = _rounded(float_model, quantized, feeds, gathered=gathered)
+    assert from_calibration.SerializeToString() == measured.SerializeToString()
+    assert any(c.rule == RULE_NAME for c in report.changes)

@@ -246,9 +246,14 @@ def _progress(iterable: Iterable, progress: bool | None, total: int | None, desc
     return tqdm(iterable, total=total, desc=description, unit="sample", leave=False)
 
 
+Observer = Callable[[Mapping[str, np.ndarray]], None]
+
+
 def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[Mapping[str, np.ndarray]],
-               histograms: dict[str, StreamingHistogram], factory: Callable[[], StreamingHistogram]) -> int:
-    """Run every feed once, updating the histogram of each float output; returns the number of feeds."""
+               histograms: dict[str, StreamingHistogram], factory: Callable[[], StreamingHistogram],
+               observe: Observer | None = None) -> int:
+    """Run every feed once, updating the histogram of each float output (and showing the outputs,
+    by name, to ``observe``); returns the number of feeds."""
     input_names = {i.name for i in session.get_inputs()}
     count = 0
     for feed in feeds:
@@ -259,6 +264,8 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
         for name, value in zip(names, outputs):
             if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
                 histograms.setdefault(name, factory()).update(value)
+        if observe is not None:
+            observe(dict(zip(names, outputs)))
         del outputs
         count += 1
     return count
@@ -272,10 +279,12 @@ def collect_histograms(
     bins: int = 8192,
     max_pass_bytes: int = DEFAULT_PASS_BYTES,
     progress: bool | None = None,
+    observe: Observer | None = None,
 ) -> tuple[dict[str, StreamingHistogram], int]:
     """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
 
-    ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``).
+    ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``: called
+    with each run's tensors by name (split runs: each part, in feed order).
     """
     model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
     first_pass = _feed_iterable(feeds)
@@ -297,7 +306,7 @@ def collect_histograms(
         else:
             stream = _feed_iterable(feeds)
         label = "calibration" if len(groups) == 1 else f"calibration {index + 1}/{len(groups)}"
-        samples = _run_group(session, names, _progress(stream, progress, total, label), histograms, factory)
+        samples = _run_group(session, names, _progress(stream, progress, total, label), histograms, factory, observe)
         del session
     return histograms, samples
 
@@ -323,6 +332,7 @@ def collect_ranges(
     bins: int = 8192,
     max_pass_bytes: int = DEFAULT_PASS_BYTES,
     serialised: bool = False,
+    observe: Observer | None = None,
 ) -> TensorRanges:
     """Per-tensor ``(lo, hi)`` ranges of every float tensor of ``float_model`` over ``feeds``.
 
@@ -332,7 +342,8 @@ def collect_ranges(
     + method + percentile). A matching cache is returned without running anything; otherwise the
     result is written there. The cache does not know the feeds: use a new file for new data.
     ``serialised``: ``float_model`` is a ModelProto that onnx_ir serialised (quantize()'s), used as it
-    is: loading and serialising it again would give the same proto.
+    is: loading and serialising it again would give the same proto. ``observe``: as in
+    :func:`collect_histograms` (not called when the ranges come from the cache).
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
@@ -348,7 +359,7 @@ def collect_ranges(
             if (cached.model_sha256, cached.method, cached.percentile) == (digest, method, used_percentile):
                 return cached
     histograms, samples = collect_histograms(model, feeds, histogram=method != "minmax", bins=bins,
-                                             max_pass_bytes=max_pass_bytes, progress=progress)
+                                             max_pass_bytes=max_pass_bytes, progress=progress, observe=observe)
     ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
     result = TensorRanges(ranges, method, used_percentile, samples, digest)
     if cache_path is not None:
@@ -361,12 +372,15 @@ def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, se
     """``onnxruntime.quantization.quantize_static`` (QDQ by default) using precomputed ``ranges``.
 
     The ranges go in through ORT's own calibration cache (``calibration_cache_path``), so no
-    calibration inference runs inside quantize_static. ``serialised``: as in :func:`collect_ranges`.
+    calibration inference runs inside quantize_static; per-channel weight parameters are computed a
+    tensor at a time (:mod:`kenosis_rewrite.calibration.ort_static`, the same model). ``serialised``: as in :func:`collect_ranges`.
     Any other keyword goes to quantize_static.
     """
     import tempfile
 
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat
+
+    from kenosis_rewrite.calibration.ort_static import quantize_static_qdq
 
     if quantize_static_kwargs.get("calibrate_method", CalibrationMethod.MinMax) != CalibrationMethod.MinMax:
         raise ValueError("precomputed ranges enter quantize_static as a MinMax cache; drop calibrate_method")
@@ -376,5 +390,5 @@ def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, se
         source, target, cache = (os.path.join(tmp, f) for f in ("float.onnx", "qdq.onnx", "ranges.json"))
         onnx.save(model, source)
         ranges.write_ort_cache(cache)
-        quantize_static(source, target, None, calibration_cache_path=cache, **quantize_static_kwargs)
+        quantize_static_qdq(source, target, cache, **quantize_static_kwargs)
         return onnx.load(target)

@@ -1,0 +1,74 @@
+"""ort_static: per-channel parameters as ORT computes them channel by channel, and the same QDQ model as quantize_static."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization import QuantType, quantize_static
+from onnxruntime.quantization.quant_utils import compute_data_quant_params
+
+from kenosis_rewrite import calibration as calib, toy_models
+from kenosis_rewrite.quantize import per_channel_overrides, quantize_static_options
+from kenosis_rewrite.calibration.ort_static import channel_quant_params, quantize_static_qdq
+
+
+@pytest.mark.parametrize("quant_type", [onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16])
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_channel_parameters_are_orts_channel_by_channel(quant_type, reduce_range):
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((6, 3, 3, 3)).astype(np.float32) * np.float32(0.05)
+    data[1] = 0.0  # a dead channel: ORT's scale 1, zero point 0
+    data[2] = np.abs(data[2])  # one sign only
+    data[3] *= np.float32(1e-39)  # subnormal: below float32's tiny
+    for axis in (0, 1):
+        zero_point, scale = channel_quant_params(data, axis, quant_type, reduce_range)
+        expected = [compute_data_quant_params(data.take(i, axis).ravel(), quant_type, True, reduce_range=reduce_range)
+                    for i in range(data.shape[axis])]
+        assert zero_point.dtype == np.asarray([z for z, _ in expected]).dtype
+        assert scale.dtype == np.float32
+        assert zero_point.tobytes() == np.asarray([z for z, _ in expected]).tobytes()
+        assert scale.tobytes() == np.asarray([s for _, s in expected]).tobytes()
+
+
+def _both(model: onnx.ModelProto, **options) -> tuple[bytes, bytes]:
+    feeds = toy_models.random_feeds(model, 3)
+    ranges = calib.collect_ranges(model, feeds, "minmax", progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        source, cache = os.path.join(tmp, "float.onnx"), os.path.join(tmp, "ranges.json")
+        onnx.save(model, source)
+        ranges.write_ort_cache(cache)
+        outputs = []
+        for name, quantizer in (("ort.onnx", quantize_static), ("ours.onnx", None)):
+            target = os.path.join(tmp, name)
+            if quantizer is None:
+                quantize_static_qdq(source, target, cache, **options)
+            else:
+                quantizer(source, target, None, calibration_cache_path=cache, **options)
+            outputs.append(onnx.load(target).SerializeToString())
+    return outputs[0], outputs[1]
+
+
+@pytest.mark.parametrize("name", ["resnetish", "gemm_relu", "matmul_relu", "conv_prelu"])
+@pytest.mark.parametrize("per_channel", [True, False, "auto"])
+def test_same_model_as_quantize_static(name, per_channel):
+    model = toy_models.build(name)
+    options = quantize_static_options("ort-cpu", per_channel is True)
+    if per_channel == "auto":
+        options["extra_options"]["TensorQuantOverrides"] = per_channel_overrides(model)
+    ort_bytes, our_bytes = _both(model, **options)
+    assert ort_bytes == our_bytes
+
+
+def test_same_model_as_quantize_static_with_symmetric_activations_and_reduce_range():
+    model = toy_models.build("resnetish")
+    options = quantize_static_options("tensorrt", True)
+    ort_bytes, our_bytes = _both(model, reduce_range=True, **options)
+    assert ort_bytes == our_bytes
+    options["activation_type"] = QuantType.QInt16  # 16-bit: contrib QDQ ops, still the same model
+    options["weight_type"] = QuantType.QInt16
+    ort_bytes, our_bytes = _both(model, **options)
+    assert ort_bytes == our_bytes
