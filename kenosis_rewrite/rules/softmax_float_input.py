@@ -29,6 +29,11 @@ Against ORT's fused execution of the input model, the output codes change where 
 lookup-table arithmetic rounded differently from the float Softmax the graph specifies: measured
 at most 1 code, on 0-6% of the elements (the rule removes that deviation).
 
+Int8 parameters: ORT on x86 fuses those too where its int8 -> uint8 conversion of a ``Q -> DQ``
+pair reaches them (quantize_static's placement); where it does not (int8 codes moved before the
+DQ) the Softmax already runs float, and the rewrite changes the graph only (Flatten and Reshape
+cost nothing).
+
 Left alone: DQs with per-axis or blocked parameters and non-8-bit types (ORT does not fuse them),
 Softmaxes whose output is read by anything but one QuantizeLinear, or is a graph output. Targets:
 ``ort-cpu`` only (ARM's QLinearSoftmax is not measured here).
