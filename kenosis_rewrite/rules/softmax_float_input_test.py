@@ -222,3 +222,57 @@ def test_random_chains_stay_bit_exact_and_unfused(seed):
     assert _testing.producer_of(rewritten, softmax.input[0]).op_type != "DequantizeLinear"
     assert _testing.ort_optimized_op_types(rewritten)["QLinearSoftmax"] == 0
     _assert_bit_exact(original, rewritten)
+
+
+def _dfl_float_model() -> onnx.ModelProto:
+    """FP32 ``Conv(64) -> Reshape [1,4,16,N] -> Transpose -> Softmax(axis=1) -> Conv(16 -> 1, weights 0..15)``:
+    YOLOv8's box head on a 4x4 map."""
+    rng = np.random.default_rng(0)
+    anchors = 16
+    constants = [
+        numpy_helper.from_array((rng.standard_normal((64, 8, 1, 1)) * 0.5).astype(np.float32), "w_box"),
+        numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "b_box"),
+        numpy_helper.from_array(np.array([1, 64, anchors], np.int64), "flat_shape"),
+        numpy_helper.from_array(np.array([1, 4, 16, anchors], np.int64), "dfl_shape"),
+        numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(1, 16, 1, 1), "w_dfl"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w_box", "b_box"], ["box"]),
+        helper.make_node("Reshape", ["box", "flat_shape"], ["flat"]),
+        helper.make_node("Reshape", ["flat", "dfl_shape"], ["boxes"]),
+        helper.make_node("Transpose", ["boxes"], ["bins"], perm=[0, 2, 1, 3]),
+        helper.make_node("Softmax", ["bins"], ["probs"], axis=1),
+        helper.make_node("Conv", ["probs", "w_dfl"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "dfl", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4, anchors])], constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _float_feeds(count: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 8, 4, 4)).astype(np.float32)} for _ in range(count)]
+
+
+def test_fix_and_quantize_run_the_dfl_softmax_float_between_integer_convs():
+    from kenosis_rewrite import fix, ort_quantize, quantize  # noqa: PLC0415
+    from kenosis_rewrite.pipeline import FixPass  # noqa: PLC0415
+
+    float_model = _dfl_float_model()
+    qdq = ort_quantize.quantize_with_ort(float_model, _float_feeds(4), "u8s8")
+    assert _testing.ort_optimized_op_types(qdq)["QLinearSoftmax"] == 1
+    fixed, report = fix(qdq, return_report=True, verify=False)
+    assert [c.exact for c in report.changes if c.rule == RULE_NAME] == [True]
+    ran = _testing.ort_optimized_op_types(fixed)
+    assert ran["QLinearSoftmax"] == 0 and ran["Softmax"] == 1 and ran["QLinearConv"] == 2  # both Convs integer
+    # the rule changes no value: fix() with it equals fix() without it, bit for bit, in the graph
+    model = ir.serde.deserialize_model(qdq)
+    FixPass("ort-cpu", disabled=(RULE_NAME,))(model)
+    without = ir.serde.serialize_model(model)
+    assert _testing.ort_optimized_op_types(without)["QLinearSoftmax"] == 1
+    for feed in _float_feeds(3, seed=1):
+        for got, want in zip(_testing.outputs(fixed, feed, optimized=False), _testing.outputs(without, feed, optimized=False)):
+            np.testing.assert_array_equal(got, want)
+    quantized = quantize(float_model, _float_feeds(4))
+    ran = _testing.ort_optimized_op_types(quantized)  # (quantize() keeps the output Conv float: protection)
+    assert ran["QLinearSoftmax"] == 0 and ran["Softmax"] == 1 and ran["QLinearConv"] >= 1
