@@ -256,6 +256,7 @@ def _float_feeds(count: int, seed: int = 0) -> list[dict]:
 
 def test_fix_and_quantize_run_the_dfl_softmax_float_between_integer_convs():
     from kenosis_rewrite import fix, ort_quantize, quantize  # noqa: PLC0415
+    from kenosis_rewrite.explain import explain  # noqa: PLC0415
     from kenosis_rewrite.pipeline import FixPass  # noqa: PLC0415
 
     float_model = _dfl_float_model()
@@ -270,6 +271,8 @@ def test_fix_and_quantize_run_the_dfl_softmax_float_between_integer_convs():
     FixPass("ort-cpu", disabled=(RULE_NAME,))(model)
     without = ir.serde.serialize_model(model)
     assert _testing.ort_optimized_op_types(without)["QLinearSoftmax"] == 1
+    islands = [island for island in explain(fixed).float_islands if "Softmax" in island.op_types]
+    assert len(islands) == 1 and "QLinearSoftmax" in islands[0].reason and islands[0].fixing_rule is None
     for feed in _float_feeds(3, seed=1):
         for got, want in zip(_testing.outputs(fixed, feed, optimized=False), _testing.outputs(without, feed, optimized=False)):
             np.testing.assert_array_equal(got, want)
