@@ -3,17 +3,25 @@
 Transformation (``softmax-float-input``), for a per-tensor 8-bit DequantizeLinear read only by a
 Softmax whose output only a per-tensor 8-bit QuantizeLinear reads::
 
-    DQ(x_q) -> Softmax -> Q      ==>      DQ(x_q) -> Flatten(axis=0) -> Reshape(shape(x)) -> Softmax -> Q
+    x_q = P_n(...P_1(c)) -> DQ -> Softmax -> Q
+    ==>
+    c -> DQ -> Flatten(axis=0) -> Reshape(shape(c)) -> P_1 -> ... -> P_n -> Softmax -> Q
+
+where ``P_i`` is data movement (Reshape, Transpose, Squeeze, Unsqueeze, Flatten, Slice, ...) that
+the DQ's input went through from the codes ``c``, on the codes or as quantize_static writes it
+(``DQ -> P -> Q`` with the DQ's parameters; redundant ``DQ -> Q`` pairs are crossed too), each value
+on the way read by nothing else; ``n = 0`` where none is (attention scores, logits).
 
 Why: at session time ORT's QDQ selector fuses every ``DQ -> Softmax -> Q`` of 8-bit per-tensor
-parameters into ``com.microsoft.QLinearSoftmax``, and on x86 its kernel is slower than what it
-replaces, at every shape measured, one thread and two (onnxruntime 1.32.0, AMD EPYC with
-AVX512-VNNI, interleaved medians; ``python examples/qlinear_softmax.py`` measures it): 329 vs 108 us on
-a detector's DFL head ``[1,4,2100,16]`` over the last axis, 1055 vs 844 us on YOLOv8's
-``[1,16,4,2100]`` over axis 1, 1613 vs 266 us on attention scores ``[1,12,256,256]``, 6.1 vs 4.8 us
-on ``[1,1000]`` logits (0.16-0.81 of the fused time; QLinearSoftmax is single-threaded, so two
-threads widen the gap). quantize_static surrounds every Softmax with such a pair (YOLOv8's DFL
-head: quantize() ran 0.964x of NNCF -> fix(), which leaves the Softmax's input float).
+parameters into ``com.microsoft.QLinearSoftmax``, and on x86 its kernel is slower than the
+DequantizeLinear, float Softmax and QuantizeLinear it replaces at every shape measured, on one
+thread and two: 0.16-0.81x of the fused time on one thread, 0.21-0.92x on two (onnxruntime 1.32.0,
+AMD EPYC with AVX512-VNNI, interleaved medians; ``python examples/qlinear_softmax.py`` measures
+it). One thread, fused vs float, microseconds: a DFL head ``[1,4,2100,16]`` over the last axis 331
+vs 108; YOLOv8n's head as ORT runs it, ``[1,4,16,2100]`` over axis 2, 343 vs 143 (two threads 181
+vs 103); attention scores ``[1,12,256,256]`` 1637 vs 268; ``[1,1000]`` logits 6.1 vs 4.9.
+quantize_static surrounds every Softmax with such a pair: on YOLOv8n, quantize() ran at 0.95-0.96x
+of NNCF -> fix(), which leaves the Softmax's input float, and at 1.00x with this rule.
 
 The selector needs the DQ to write the Softmax's input, so the rule puts data movement between them
 that ORT neither removes nor crosses: its QDQ propagation carries a DQ forward through Reshape,
@@ -21,10 +29,17 @@ Transpose, Squeeze, Unsqueeze, Slice and MaxPool, re-creating ``DQ -> Softmax`` 
 ``DQ -> Reshape -> Softmax -> Q`` still runs as QLinearSoftmax; ``qdq_propagation.cc``,
 ``CanNodePropagate``), but not through Flatten. ``Flatten`` to ``[1, size]`` and ``Reshape`` back
 alias their input in ORT (no copy), so the float path costs DequantizeLinear, Softmax and
-QuantizeLinear only, and the Q still feeds the integer op after it (the DFL head's QLinearConv).
+QuantizeLinear, and the Q still feeds the integer op after it (the DFL head's QLinearConv). The
+data movement ``P_i`` goes after that barrier so that ORT's transpose optimizer can still move a
+Transpose past the Softmax: YOLOv8's ``Reshape -> Transpose(0,2,1,3) -> Softmax(axis=1)`` runs as
+``Reshape -> Softmax(axis=2) -> Q -> Transpose`` on ``[1,4,16,N]``, as in NNCF's float graph; with the
+Transpose left on the codes before the DQ, the Softmax ran over axis 1 of ``[1,16,4,N]`` (a general
+4-D transpose inside ORT's kernel), 826 us instead of 158 (ORT's profiler, YOLOv8n, one thread).
 
-Exactness: exact, bit for bit, against the graph's own semantics: Flatten then Reshape to the
-tensor's own shape is the identity on its values, so every op computes what it computed before.
+Exactness: exact, bit for bit, against the graph's own semantics: a per-tensor DQ is elementwise,
+so it commutes with data movement; ``Q(DQ(c)) = c`` for identical parameters (the wrappers and pairs
+crossed are identities on the codes); Flatten then Reshape to the tensor's own shape is the
+identity. The Softmax reads the values it read before.
 Against ORT's fused execution of the input model, the output codes change where QLinearSoftmax's
 lookup-table arithmetic rounded differently from the float Softmax the graph specifies: measured
 at most 1 code, on 0-6% of the elements (the rule removes that deviation).
@@ -111,7 +126,7 @@ def data_movement_chain(codes: ir.Value, params: _qdq.QuantParams) -> tuple[ir.V
 
 
 class SoftmaxFloatInput(ReportingRule):
-    """``DQ -> Softmax -> Q`` ==> ``DQ -> Flatten -> Reshape -> Softmax -> Q`` (no QLinearSoftmax). Exact."""
+    """``P(c) -> DQ -> Softmax -> Q`` ==> ``DQ(c) -> Flatten -> Reshape -> P -> Softmax -> Q`` (no QLinearSoftmax). Exact."""
 
     def __init__(self, report: FixReport | None = None):
         super().__init__(RULE_NAME, report)

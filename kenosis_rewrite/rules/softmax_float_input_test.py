@@ -249,6 +249,19 @@ def _dfl_float_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def _ort_graph(model: onnx.ModelProto) -> onnx.GraphProto:
+    """The graph ORT CPU runs (ORT_ENABLE_ALL, one thread), structure only."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from kenosis_rewrite import _ort  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "optimized.onnx")
+        _ort.session(model, _ort.options(1, optimized_path=path))
+        return onnx.load(path, load_external_data=False).graph
+
+
 def _float_feeds(count: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [{"x": rng.standard_normal((1, 8, 4, 4)).astype(np.float32)} for _ in range(count)]
@@ -266,6 +279,13 @@ def test_fix_and_quantize_run_the_dfl_softmax_float_between_integer_convs():
     assert [c.exact for c in report.changes if c.rule == RULE_NAME] == [True]
     ran = _testing.ort_optimized_op_types(fixed)
     assert ran["QLinearSoftmax"] == 0 and ran["Softmax"] == 1 and ran["QLinearConv"] == 2  # both Convs integer
+    # the Transpose, replayed after the barrier, is still one ORT's transpose optimizer moves past the
+    # Softmax: the Softmax runs over axis 2 of [1,4,16,N] (fast), not over axis 1 of [1,16,4,N]
+    ran_nodes = list(_ort_graph(fixed).node)
+    at = next(index for index, node in enumerate(ran_nodes) if node.op_type == "Softmax")
+    assert helper.get_attribute_value(ran_nodes[at].attribute[0]) == 2
+    assert [node.op_type for node in ran_nodes[at - 3:at + 3]] == [
+        "Flatten", "Reshape", "Reshape", "Softmax", "QuantizeLinear", "Transpose"]
     # the rule changes no value: fix() with it equals fix() without it, bit for bit, in the graph
     model = ir.serde.deserialize_model(qdq)
     FixPass("ort-cpu", disabled=(RULE_NAME,))(model)
