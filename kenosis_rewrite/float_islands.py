@@ -194,6 +194,9 @@ def _island_reason(op_types: Sequence[str], names: Sequence[str], kind: str, inp
     if "Pad" in op_types and runtime_pads:
         return ("float Pad between DQ and Q: its pads are computed at run time (e.g. TF-style SAME padding); "
                 "ORT CPU keeps a QDQ Pad in int8 only with constant pads (measured)"), None
+    if "Softmax" in op_types:
+        return ("float Softmax: faster than ORT's QLinearSoftmax on x86 (softmax-float-input keeps it float; "
+                "keep the island)"), None
     missing = sorted(set(op_types) & NO_INTEGER_KERNEL_ACTIVATIONS)
     if missing:
         return f"no integer kernel for {', '.join(missing)} on ORT CPU (keep the island)", None

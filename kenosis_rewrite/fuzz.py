@@ -2,7 +2,8 @@
 
 Every case is a pure function of one integer seed: ``np.random.default_rng(seed)`` draws a small
 FP32 ONNX model (:func:`random_float_model`), then an ``onnxruntime.quantization.quantize_static``
-configuration (:func:`random_quant_config`). :func:`check_fix_case` quantizes the model with that
+configuration (:func:`random_quant_config`); seeds from :data:`SOFTMAX_HEAD_SEEDS` (1,000,000) end
+every model in a Softmax head (a DFL head on maps). :func:`check_fix_case` quantizes the model with that
 configuration and checks the properties ``fix()`` promises, for every target:
 
 * no exception other than a :class:`~kenosis_rewrite.KenosisError` subclass;
@@ -20,6 +21,7 @@ configuration and checks the properties ``fix()`` promises, for every target:
 (uint8 activations, int8 per-channel weights). Command line::
 
     python -m kenosis_rewrite.fuzz --seed-start 0 --cases 300 --quantize-cases 50 --jobs 2 --out r.json
+    python -m kenosis_rewrite.fuzz --seed-start 1000000 --cases 100     # Softmax heads
     python -m kenosis_rewrite.fuzz --replay 1234 [--target tensorrt] [--dump DIR]
     python -m kenosis_rewrite.fuzz --replay-quantize 1234
 
@@ -54,6 +56,7 @@ from kenosis_rewrite.fuzz_properties import (
     CATEGORIES,
     CATEGORY_TITLES,
     FIDELITY_TOLERANCE,
+    SOFTMAX_HEAD_SEEDS,
     CaseResult,
     Failure,
     TargetResult,
@@ -64,7 +67,7 @@ from kenosis_rewrite.fuzz_properties import (
 from kenosis_rewrite.fuzz_running import first_line, short_traceback
 
 __all__ = [
-    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "N_CALIBRATION", "N_FEEDS", "CaseResult", "Failure", "TargetResult",
+    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "SOFTMAX_HEAD_SEEDS", "N_CALIBRATION", "N_FEEDS", "CaseResult", "Failure", "TargetResult",
     "random_float_model", "random_quant_config", "plain_quant_config", "quantize_with_config",
     "check_fix_case", "check_quantize_case", "run_cases", "summarize", "format_summary", "main",
 ]

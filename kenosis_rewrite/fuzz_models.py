@@ -465,6 +465,28 @@ def _choose_outputs(b: _Builder, last: _Tensor) -> list[_Tensor]:
     return outputs
 
 
+def _softmax_head(b: _Builder, last: _Tensor) -> _Tensor:
+    """A Softmax over the last tensor: a detector's DFL head on a map (``Reshape [1,4,c/4,hw] ->
+    Transpose(0,2,1,3) -> Softmax(axis=1)``) or a Softmax over its channels; over the features of a vector."""
+    if last.rank != 4:
+        return b.node("Softmax", [last.name], last.shape, axis=-1)
+    _, c, h, w = last.shape
+    if c % 4 == 0 and c >= 8 and b.chance(0.7):
+        boxes = b.node("Reshape", [last.name, b.i64([1, 4, c // 4, h * w])], (1, 4, c // 4, h * w))
+        last = b.node("Transpose", [boxes.name], (1, c // 4, 4, h * w), perm=[0, 2, 1, 3])
+    return b.node("Softmax", [last.name], last.shape, axis=1)
+
+
+def _with_softmax_head(b: _Builder, outputs: list[_Tensor], rng: np.random.Generator) -> list[_Tensor]:
+    """A Softmax head on the first output, drawn from a stream jumped ahead of ``rng``: ``rng`` does
+    not advance, so the body, the feeds and the other draws are those of the same generator without a head."""
+    body_rng, b.rng = b.rng, np.random.Generator(rng.bit_generator.jumped())
+    try:
+        return [_softmax_head(b, outputs[0]), *outputs[1:]]
+    finally:
+        b.rng = body_rng
+
+
 def _assemble(b: _Builder, x: _Tensor, outputs: list[_Tensor]) -> onnx.ModelProto:
     graph = helper.make_graph(
         b.nodes, "fuzz",
@@ -488,16 +510,18 @@ def _check_shapes(model: onnx.ModelProto) -> None:
             raise AssertionError(f"generator shape bug: {value.name} inferred {dims}, tracked {declared}")
 
 
-def random_float_model(rng: np.random.Generator) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+def random_float_model(rng: np.random.Generator, softmax_head: bool = False) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
     """A small random valid FP32 model and 6 feeds (first 4: calibration, last 2: evaluation).
 
     Opset 13..21; one model in eight has about half its constants as Constant nodes. CNN bodies (Conv/ConvTranspose/BN/activations/residuals/pools/Resize/shape ops)
-    or MLP bodies (Gemm/MatMul/Add/activations/reshapes); one or two graph outputs with static shapes.
+    or MLP bodies (Gemm/MatMul/Add/activations/reshapes); one or two graph outputs with static shapes;
+    one model in four ends in a Softmax head (:func:`_with_softmax_head`).
     """
     opset = int(rng.integers(13, 22))
     b = _Builder(rng, opset, constant_nodes=bool(rng.random() < 0.12))
     x, last = _build_body(b)
-    model = _assemble(b, x, _choose_outputs(b, last))
+    outputs = _choose_outputs(b, last)
+    model = _assemble(b, x, _with_softmax_head(b, outputs, rng) if softmax_head else outputs)
     _check_shapes(model)
     onnx.checker.check_model(model, full_check=True)
     feeds = [{x.name: rng.standard_normal(x.shape).astype(np.float32)} for _ in range(N_FEEDS)]

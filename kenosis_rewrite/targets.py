@@ -7,7 +7,9 @@ between them. A target is data: the facts, the passes before the rules, the rule
 
 * ``ort-cpu`` (default): ONNX Runtime CPU on x86. Measured (ort-cpu-facts.md): int8 activations
   with several consumers run float, so activations become uint8; Relu/Clip fold into the Q range
-  (zero point qmin); PRelu replaced; BN folded; parameters aligned and biases requantized.
+  (zero point qmin); PRelu replaced; BN folded; parameters aligned and biases requantized;
+  quantized Softmaxes kept out of QLinearSoftmax, 1.2-6x slower than DQ + Softmax + Q on x86
+  (``rules.softmax_float_input``).
 * ``ort-cpu-arm``: ONNX Runtime CPU on ARM64, where the QDQ selectors accept int8 activations
   (``QDQIsInt8Allowed()`` is true under ``MLAS_TARGET_ARM_ANY``,
   ``qdq_selector_action_transformer.h``): the same rules without the uint8 retyping. Cited, not
@@ -58,6 +60,7 @@ from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
 from kenosis_rewrite.rules.integer_matmul_bias import integer_matmul_bias_rules
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.sigmoid_gate import QuantizeSigmoidGate
+from kenosis_rewrite.rules.softmax_float_input import softmax_float_input_rules
 
 __all__ = ["TargetFacts", "Target", "TARGETS", "get_target"]
 
@@ -123,9 +126,10 @@ TARGETS: dict[str, Target] = {
         pre_passes=lambda report: [ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)],
         # the integer MatMuls' bias Adds fused into MatMulIntegerToFloat (rules.integer_matmul_bias) before
         # residual_sum sees them; SkipLayerNormalization measured 1.3-8x slower than Sum +
-        # LayerNormalization on x86 (rules.residual_sum)
+        # LayerNormalization on x86 (rules.residual_sum), QLinearSoftmax 1.2-6x slower than
+        # DQ + Softmax + Q (rules.softmax_float_input)
         rules=lambda report: [*_ort_rules(report), *integer_matmul_bias_rules(report).rules,
-                              *residual_sum_rules(report).rules],
+                              *residual_sum_rules(report).rules, *softmax_float_input_rules(report).rules],
         post_passes=_ort_post,
     ),
     "ort-cpu-arm": Target(

@@ -25,6 +25,7 @@ from kenosis_rewrite import fuzz
 
 FIX_CASES = int(os.environ.get("KENOSIS_PROPERTY_CASES", "200"))
 QUANTIZE_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUANTIZE_CASES", "30"))
+SOFTMAX_CASES = int(os.environ.get("KENOSIS_PROPERTY_SOFTMAX_CASES", "24"))
 
 
 def _failure_report(case: fuzz.CaseResult) -> str:
@@ -38,6 +39,25 @@ def _failure_report(case: fuzz.CaseResult) -> str:
 def test_fix_properties(seed):
     # the run-time guard off: every rule must keep its own promises, not be rescued by the guard
     case = fuzz.check_fix_case(seed, verify=False)
+    violated = [f"{f.category} ({f.target})" for f in case.failures]
+    assert not violated, _failure_report(case)
+
+
+# Open findings of the Softmax-head seeds, in other rules than softmax-float-input (which stays
+# bit-exact on both): fix() with its run-time guard on catches them, the rules alone do not.
+SOFTMAX_FINDINGS = {
+    fuzz.SOFTMAX_HEAD_SEEDS + 1: "symmetric-int8-activations (tensorrt, npu): cosine 0.974 -> 0.776, below its stated floor 0.887",
+    fuzz.SOFTMAX_HEAD_SEEDS + 19: "fold-batchnorm-into-conv (ort-cpu, ort-cpu-arm): cosine 0.9996 -> 0.981",
+}
+
+
+@pytest.mark.parametrize("seed", [
+    pytest.param(seed, marks=pytest.mark.xfail(strict=True, reason=SOFTMAX_FINDINGS[seed])) if seed in SOFTMAX_FINDINGS
+    else seed for seed in range(fuzz.SOFTMAX_HEAD_SEEDS, fuzz.SOFTMAX_HEAD_SEEDS + SOFTMAX_CASES)])
+def test_fix_properties_with_softmax_heads(seed):
+    # models ending in a Softmax, which softmax-float-input rewrites for ort-cpu
+    case = fuzz.check_fix_case(seed, verify=False)
+    assert "Softmax" in case.model or case.skipped
     violated = [f"{f.category} ({f.target})" for f in case.failures]
     assert not violated, _failure_report(case)
 
