@@ -124,7 +124,7 @@ def _channel_maxima(model: onnx.ModelProto, tensors: Sequence[str], feeds) -> tu
     probe.CopyFrom(model)
     del probe.graph.output[:]
     probe.graph.output.extend(onnx.ValueInfoProto(name=name) for name in tensors)
-    session = _ort.session(probe, _ort.options(None, level="basic"))
+    session = _ort.session(probe, _ort.options(None, level="basic", spinning=False))
     maxima: list[np.ndarray | None] = [None] * len(tensors)
     counts = [0] * len(tensors)
     for feed in feeds:

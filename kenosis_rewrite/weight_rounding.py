@@ -257,7 +257,7 @@ def _measure(float_model: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> l
     sources = list(dict.fromkeys(layer.source for layer in layers))
     del model.graph.output[:]
     model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in sources)
-    session = _ort.session(model, _ort.options(None, level="basic"))
+    session = _ort.session(model, _ort.options(None, level="basic", spinning=False))
     moments = [_Moments() for _ in layers]
     for feed in feeds:
         values = dict(zip(sources, session.run(sources, dict(feed))))

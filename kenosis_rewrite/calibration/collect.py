@@ -192,7 +192,7 @@ def _augmented(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     try:
-        return _ort.session(model, _ort.options(None, level="basic"))
+        return _ort.session(model, _ort.options(None, level="basic", spinning=False))
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"ONNX Runtime cannot load the model for calibration: {error}") from None
 
