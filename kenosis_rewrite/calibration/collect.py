@@ -110,6 +110,13 @@ class TensorRanges(Mapping):
                 for name, (lo, hi) in self.ranges.items()}
         return TensorsData(CalibrationMethod.MinMax, data)
 
+    def to_cached_tensors_data(self):
+        """:meth:`to_tensors_data` as ORT reads it back from the cache :meth:`write_ort_cache` writes
+        (its JSON round trip, in memory): what quantize_static's quantizer gets from that file."""
+        from onnxruntime.quantization.calibrate import CalibrationCacheEncoder, TensorsData
+
+        return TensorsData.from_dict(json.loads(json.dumps(self.to_tensors_data().to_dict(), cls=CalibrationCacheEncoder)))
+
     def write_ort_cache(self, path: str | os.PathLike) -> Path:
         """Write an ORT calibration cache: ``quantize_static(..., calibration_data_reader=None,
         calibration_cache_path=path)`` (default ``calibrate_method=MinMax``) then uses these ranges."""
@@ -371,24 +378,27 @@ def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, se
                          **quantize_static_kwargs) -> onnx.ModelProto:
     """``onnxruntime.quantization.quantize_static`` (QDQ by default) using precomputed ``ranges``.
 
-    The ranges go in through ORT's own calibration cache (``calibration_cache_path``), so no
+    The ranges go in as ORT's own calibration cache (``calibration_cache_path``), so no
     calibration inference runs inside quantize_static; per-channel weight parameters are computed a
-    tensor at a time (:mod:`kenosis_rewrite.calibration.ort_static`, the same model). ``serialised``: as in :func:`collect_ranges`.
-    Any other keyword goes to quantize_static.
+    tensor at a time (:mod:`kenosis_rewrite.calibration.ort_static`, the same model). Where
+    ``ort_static`` handles the arguments, the model and the cache stay in memory (the same model as
+    through files). ``serialised``: as in :func:`collect_ranges`. Any other keyword goes to quantize_static.
     """
     import tempfile
 
     from onnxruntime.quantization import CalibrationMethod, QuantFormat
 
-    from kenosis_rewrite.calibration.ort_static import quantize_static_qdq
+    from kenosis_rewrite.calibration import ort_static
 
     if quantize_static_kwargs.get("calibrate_method", CalibrationMethod.MinMax) != CalibrationMethod.MinMax:
         raise ValueError("precomputed ranges enter quantize_static as a MinMax cache; drop calibrate_method")
     quantize_static_kwargs.setdefault("quant_format", QuantFormat.QDQ)
     model = float_model if serialised else _float_proto(float_model)
+    if ort_static.handles(**quantize_static_kwargs):
+        return ort_static.quantize_static_qdq_proto(model, ranges.to_cached_tensors_data(), **quantize_static_kwargs)
     with tempfile.TemporaryDirectory() as tmp:
         source, target, cache = (os.path.join(tmp, f) for f in ("float.onnx", "qdq.onnx", "ranges.json"))
         onnx.save(model, source)
         ranges.write_ort_cache(cache)
-        quantize_static_qdq(source, target, cache, **quantize_static_kwargs)
+        ort_static.quantize_static_qdq(source, target, cache, **quantize_static_kwargs)
         return onnx.load(target)
