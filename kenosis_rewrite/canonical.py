@@ -38,6 +38,7 @@ import collections
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -396,13 +397,17 @@ def prepare_serialized(
     verify: bool = True,
     strict: bool = False,
     reference: fidelity.ReferenceRuns | None = None,
+    observer: TensorObserver | None = None,
 ) -> ir.Model:
     """:func:`prepare` of a model serialised by onnx_ir (what prepare() makes of any argument), its
     decisions added to ``report``: a new onnx_ir.Model (the original, copied, where canonicalizing
     failed or did not verify).
 
     ``reference``: the original's runs on ``feeds``, for a caller that runs it on them again
-    (quantize(): its final fidelity); verification reads and adds to them."""
+    (quantize(): its final fidelity); verification reads and adds to them. ``observer``: shown the
+    tensors it names of the prepared model on each feed, from the verification's runs; it keeps
+    them only when the prepared model is returned as those runs verified it (it is told to discard
+    them otherwise)."""
     feeds = list(feeds) if feeds is not None else None
     work = ir.serde.deserialize_model(original)
     if input_shapes is not None:
@@ -425,10 +430,47 @@ def prepare_serialized(
     if reference is None:
         # without feeds, random inputs of the shapes the prepared model accepts
         reference = fidelity.ReferenceRuns(original, feeds or fidelity.random_feeds(ir.serde.serialize_model(work), 2))
-    return work if _verified(reference, work, report, strict) else ir.serde.deserialize_model(original)
+    if _verified(reference, work, report, strict, observer):
+        return work
+    if observer is not None:
+        observer.discard()
+    return ir.serde.deserialize_model(original)
 
 
-def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool) -> bool:
+class TensorObserver(Protocol):
+    """Something gathering statistics of the prepared model's tensors from the verification's runs
+    (quantize(): equalization's channel maxima)."""
+
+    def tensors(self, model: onnx.ModelProto) -> list[str]:
+        """The tensors of ``model`` to show :meth:`observe` (and forget any earlier runs)."""
+
+    def observe(self, values: Mapping[str, np.ndarray]) -> None:
+        """One run's tensors, by name."""
+
+    def discard(self) -> None:
+        """Forget the runs: they were not of the model kept."""
+
+
+def _run_observed(candidate: bytes, feeds: Sequence[Mapping[str, np.ndarray]], observer: TensorObserver | None
+                  ) -> list[list[np.ndarray]]:
+    """The candidate's outputs on ``feeds`` with every optimization on; ``observer``'s tensors, exposed
+    as extra outputs of the same runs, go to it (and are not returned)."""
+    if observer is None:
+        return fidelity.run(candidate, feeds, optimized=True)
+    proto = onnx.ModelProto.FromString(candidate)
+    outputs = len(proto.graph.output)
+    extra = [name for name in dict.fromkeys(observer.tensors(proto)) if name not in {o.name for o in proto.graph.output}]
+    if not extra:
+        return fidelity.run(candidate, feeds, optimized=True)
+    proto.graph.output.extend(onnx.ValueInfoProto(name=name) for name in extra)
+    runs = fidelity.run(proto.SerializeToString(), feeds, optimized=True)
+    for run in runs:
+        observer.observe({**dict(zip([o.name for o in proto.graph.output], run))})
+    return [run[:outputs] for run in runs]
+
+
+def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool,
+              observer: TensorObserver | None = None) -> bool:
     """Whether ``work`` reproduces the original model on its feeds (declared output shapes repaired
     on the way).
 
@@ -436,7 +478,10 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     ``PREPARE_TOLERANCE`` of the outputs' magnitude verifies (the original's optimized runs are
     the ones quantize()'s final fidelity reads again). Otherwise the graphs as written are compared,
     both run with optimizations off, within float rounding or ``NOISE_FACTOR`` x what onnxruntime's
-    own optimizations change (:func:`_verified_as_written`)."""
+    own optimizations change (:func:`_verified_as_written`). ``observer``'s tensors are exposed as
+    extra outputs of the first check's runs of the prepared model (onnxruntime keeps its fusions
+    around them: they are outputs of the nodes it fuses into); it is told to discard them when
+    the model is verified otherwise."""
     candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
     feeds = original.feeds
     try:
@@ -447,7 +492,7 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     try:
         # it must load with every optimization on (ORT's own fusions can fail on a graph they or we
         # rewrote: that model would not run at all)
-        outputs = fidelity.run(candidate, feeds, optimized=True)
+        outputs = _run_observed(candidate, feeds, observer)
         if _declared_output_repairs(work, outputs[0], report):
             candidate = ir.serde.serialize_model(work).SerializeToString()
         onnx.checker.check_model(candidate, full_check=True)
@@ -458,6 +503,8 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
         report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
                     "(both optimized as onnxruntime runs them)")
         return True
+    if observer is not None:
+        observer.discard()
     return _verified_as_written(original, candidate, report, strict)
 
 

@@ -44,7 +44,7 @@ from kenosis_rewrite import _io, calibration as calib, fidelity
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
-from kenosis_rewrite.equalization import equalize
+from kenosis_rewrite.equalization import ChannelMaxima, equalize
 from kenosis_rewrite.weight_rounding import InputMoments, round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
@@ -285,11 +285,13 @@ def quantize(
     # the model as given on the calibration feeds: prepare() verifies against these runs, the final
     # fidelity reuses them
     float_runs = fidelity.ReferenceRuns(original, feeds)
+    # equalization's channel maxima, from prepare()'s runs of the prepared model on the same feeds
+    maxima = ChannelMaxima() if equalization else None
     if canonicalize:
         preparation = FixReport(target="prepare")
         # synthetic feeds have made-up sizes: they must not fix the model's input dims
         prepared = prepare_serialized(original, feeds, preparation, reference=float_runs,
-                                      pin_shapes=not _self_calibrated(calibration))
+                                      pin_shapes=not _self_calibrated(calibration), observer=maxima)
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
     else:
@@ -301,7 +303,7 @@ def quantize(
     serialised = ir.serde.serialize_model(prepared)
     proto = serialised
     if equalization:
-        proto, equalized = equalize(proto, feeds, report)
+        proto, equalized = equalize(proto, feeds, report, observed=maxima)
         report.note(f"activation equalization: {equalized} tensors")
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
     # calibration and quantize_static each load and serialise their model again, to no effect on a
