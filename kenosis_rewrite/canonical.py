@@ -459,13 +459,15 @@ def _run_observed(candidate: bytes, feeds: Sequence[Mapping[str, np.ndarray]], o
         return fidelity.run(candidate, feeds, optimized=True)
     proto = onnx.ModelProto.FromString(candidate)
     outputs = len(proto.graph.output)
-    extra = [name for name in dict.fromkeys(observer.tensors(proto)) if name not in {o.name for o in proto.graph.output}]
+    declared = {o.name for o in proto.graph.output}
+    extra = [name for name in dict.fromkeys(observer.tensors(proto)) if name not in declared]
     if not extra:
         return fidelity.run(candidate, feeds, optimized=True)
     proto.graph.output.extend(onnx.ValueInfoProto(name=name) for name in extra)
     runs = fidelity.run(proto.SerializeToString(), feeds, optimized=True)
+    names = [o.name for o in proto.graph.output]
     for run in runs:
-        observer.observe({**dict(zip([o.name for o in proto.graph.output], run))})
+        observer.observe(dict(zip(names, run)))
     return [run[:outputs] for run in runs]
 
 
