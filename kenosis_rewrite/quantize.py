@@ -193,6 +193,20 @@ def _shared_concat_ranges(model: onnx.ModelProto, ranges, excluded, report: FixR
     return shared
 
 
+def _calibrated(model: onnx.ModelProto, chosen_plan: str, options: Mapping, layer_inputs: InputMoments | None
+                ) -> set[str] | None:
+    """The tensors calibration must measure: every one for the full plan (None); for the weighted
+    plans, the computed inputs of the ops quantize_static quantizes (their outputs stay float) and
+    weight rounding's layer inputs. The rest stay inside onnxruntime's graph, free to be fused."""
+    if chosen_plan not in WEIGHTED_PLANS:
+        return None
+    constants = {init.name for init in model.graph.initializer}
+    quantized_ops, excluded = set(options["op_types_to_quantize"]), set(options.get("nodes_to_exclude", ()))
+    wanted = {name for node in model.graph.node if node.op_type in quantized_ops and node.name not in excluded
+              for name in node.input if name and name not in constants}
+    return wanted | (layer_inputs.sources() if layer_inputs is not None else set())
+
+
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
     initializers = {init.name for init in model.graph.initializer}
     if sum(value.name not in initializers for value in model.graph.input) < 2:
@@ -335,7 +349,8 @@ def quantize(
     layer_inputs = InputMoments(proto) if weight_rounding else None
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
-                                      observe=layer_inputs.observe if layer_inputs is not None else None)
+                                      observe=layer_inputs.observe if layer_inputs is not None else None,
+                                      tensors=_calibrated(proto, chosen_plan, options, layer_inputs))
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types

@@ -237,6 +237,10 @@ class InputMoments:
                 self._inputs[node.output[0]] = _Inputs(node.input[0], 0, (), (), (), ())
         self._moments = {reference: _Moments() for reference in self._inputs}
 
+    def sources(self) -> set[str]:
+        """The tensors :meth:`observe` reads (the layers' inputs)."""
+        return {inputs.source for inputs in self._inputs.values()}
+
     def observe(self, values: Mapping[str, np.ndarray]) -> None:
         """Add one run's tensors (by name; those it has of the layers' inputs)."""
         for reference, inputs in self._inputs.items():

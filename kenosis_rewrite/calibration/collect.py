@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -287,11 +287,14 @@ def collect_histograms(
     max_pass_bytes: int = DEFAULT_PASS_BYTES,
     progress: bool | None = None,
     observe: Observer | None = None,
+    tensors: Collection[str] | None = None,
 ) -> tuple[dict[str, StreamingHistogram], int]:
     """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
 
     ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``: called
-    with each run's tensors by name (split runs: each part, in feed order).
+    with each run's tensors by name (split runs: each part, in feed order). ``tensors``: only these
+    (of those :func:`calibrated_tensors` selects) are exposed and measured; the others stay inside
+    the graph, where onnxruntime may fuse them away.
     """
     model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
     first_pass = _feed_iterable(feeds)
@@ -299,7 +302,11 @@ def collect_histograms(
     first = next(iterator, None)
     if first is None:
         raise CalibrationError("no calibration samples: the feeds are empty")
-    groups = _groups(calibrated_tensors(model, first), max_pass_bytes)
+    selected = calibrated_tensors(model, first)
+    if tensors is not None:
+        wanted = set(tensors)
+        selected = {name: size for name, size in selected.items() if name in wanted}
+    groups = _groups(selected, max_pass_bytes)
     if len(groups) > 1 and not _reiterable(feeds):
         groups = [[name for group in groups for name in group]]  # one pass is all a generator allows
     histograms: dict[str, StreamingHistogram] = {}
@@ -340,6 +347,7 @@ def collect_ranges(
     max_pass_bytes: int = DEFAULT_PASS_BYTES,
     serialised: bool = False,
     observe: Observer | None = None,
+    tensors: Collection[str] | None = None,
 ) -> TensorRanges:
     """Per-tensor ``(lo, hi)`` ranges of every float tensor of ``float_model`` over ``feeds``.
 
@@ -350,10 +358,13 @@ def collect_ranges(
     result is written there. The cache does not know the feeds: use a new file for new data.
     ``serialised``: ``float_model`` is a ModelProto that onnx_ir serialised (quantize()'s), used as it
     is: loading and serialising it again would give the same proto. ``observe``: as in
-    :func:`collect_histograms` (not called when the ranges come from the cache).
+    :func:`collect_histograms` (not called when the ranges come from the cache). ``tensors``: only
+    these, as in :func:`collect_histograms` (not with ``cache``: a ranges file holds every tensor).
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
+    if cache is not None and tensors is not None:
+        raise ValueError("a calibration cache holds the ranges of every tensor: pass tensors= or cache=, not both")
     model = float_model if serialised else _float_proto(float_model)
     digest = model_hash(model)
     used_percentile = percentile if method == "percentile" else None
@@ -366,7 +377,8 @@ def collect_ranges(
             if (cached.model_sha256, cached.method, cached.percentile) == (digest, method, used_percentile):
                 return cached
     histograms, samples = collect_histograms(model, feeds, histogram=method != "minmax", bins=bins,
-                                             max_pass_bytes=max_pass_bytes, progress=progress, observe=observe)
+                                             max_pass_bytes=max_pass_bytes, progress=progress, observe=observe,
+                                             tensors=tensors)
     ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
     result = TensorRanges(ranges, method, used_percentile, samples, digest)
     if cache_path is not None:
