@@ -195,7 +195,9 @@ def _scaled(initializer: onnx.TensorProto, factors: np.ndarray) -> onnx.TensorPr
 def equalize(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
              report: FixReport | None = None, observed: ChannelMaxima | None = None) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with every activation of :func:`find_chains` equalized over ``feeds``, and
-    how many were (see the module docstring). ``model`` itself is not changed. ``observed``: the
+    how many were (see the module docstring). ``model`` itself is not changed; the copy of a model
+    onnx_ir serialised is one it would serialise the same (only initializers are replaced, by
+    tensors encoded as it encodes them: name, dims, data type, raw data). ``observed``: the
     maxima of this model's chain tensors on ``feeds``, already gathered; the model runs only when
     they do not cover every chain."""
     chains = find_chains(model)

@@ -151,3 +151,11 @@ def test_observed_maxima_are_discarded_when_prepare_keeps_the_original(monkeypat
     observed = equalization.ChannelMaxima()
     canonical.prepare_serialized(model, feeds, FixReport(target="prepare"), observer=observed)
     assert observed.runs == 0 and observed.of(["t"], len(feeds)) is None
+
+
+def test_an_equalized_onnx_ir_proto_is_one_onnx_ir_serialises_the_same():
+    serialised = ir.serde.serialize_model(ir.serde.deserialize_model(_model()))
+    equalized, count = equalize(serialised, _feeds(4, seed=1))
+    assert count == 1
+    again = ir.serde.serialize_model(ir.serde.deserialize_model(equalized))
+    assert again.SerializeToString() == equalized.SerializeToString()

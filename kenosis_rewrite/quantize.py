@@ -314,14 +314,14 @@ def quantize(
     # per-channel, quantized once), not as activations re-quantized at every run.
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
-    serialised = ir.serde.serialize_model(prepared)
-    proto = serialised
+    proto = ir.serde.serialize_model(prepared)
     if equalization:
         proto, equalized = equalize(proto, feeds, report, observed=maxima)
         report.note(f"activation equalization: {equalized} tensors")
+    serialised = proto  # equalize() keeps a proto onnx_ir serialised as onnx_ir would serialise it
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
     # calibration and quantize_static each load and serialise their model again, to no effect on a
-    # proto onnx_ir serialised (one from equalization or the opset converter has not been)
+    # proto onnx_ir serialised (one from the opset converter has not been)
     unconverted = proto is serialised
     auto = per_channel == "auto"
     options = quantize_static_options(target, False if auto else bool(per_channel))
