@@ -295,7 +295,11 @@ def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
     """onnxruntime's basic (level 1, standard ops only) optimizer: its transpose optimizer cancels the
     NHWC Transposes that fan out (residual blocks), which local sinking cannot. Kept when it loads."""
     proto = ir.serde.serialize_model(model)
-    if proto.ByteSize() >= _PROTOBUF_LIMIT:
+    try:
+        serialized = proto.SerializeToString()  # once: its length is the size check too
+    except ValueError:  # protobuf refuses messages over 2 GB
+        serialized = b""
+    if not serialized or len(serialized) >= _PROTOBUF_LIMIT:
         report.note("prepare: onnxruntime's basic optimizer skipped (model over 2 GB)")
         return model
     with tempfile.TemporaryDirectory() as folder:
@@ -304,7 +308,7 @@ def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
         options.optimized_model_filepath = os.path.join(folder, "basic.onnx")
         options.log_severity_level = 3
         try:
-            ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
             optimized_proto = onnx.load(options.optimized_model_filepath)
             _rename_introduced_values(optimized_proto, proto)
             optimized = ir.serde.deserialize_model(optimized_proto)
