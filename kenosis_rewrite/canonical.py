@@ -22,7 +22,9 @@
    shape it really has, so shape inference and the checker accept the graph.
 5. **Verification**: the prepared model runs on the feeds and must equal the original within float
    rounding: first both as onnxruntime runs them (every optimization on), max error <=
-   ``PREPARE_TOLERANCE`` x the output's largest magnitude; failing that, both graphs as written
+   ``PREPARE_TOLERANCE`` x the output's largest magnitude, on the first ``VERIFY_FEEDS`` feeds (the
+   rewrites are identities whatever the data: a wrong one shows on any real input; every feed for a
+   graph with control flow or value-dependent sizes); failing that, both graphs as written
    (optimizations off), within ``PREPARE_TOLERANCE`` or, where the model amplifies rounding,
    ``NOISE_FACTOR`` x what onnxruntime's own graph optimizations change on the same inputs;
    otherwise the original is kept and the report says why. The first check proves the equality of
@@ -75,6 +77,10 @@ _REWRITE_STEPS = 8
 _SMALL_CONSTANT_ELEMENTS = 1 << 16
 _PROTOBUF_LIMIT = 2**31 - 1
 _HARDSWISH_OPSET = 14  # HardSwish is an ONNX op from opset 14
+# prepare()'s first check runs this many feeds (see _verified), every feed where the graph routes
+# inputs by their values
+VERIFY_FEEDS = 2
+_DATA_ROUTED_OPS = frozenset({"If", "Loop", "Scan", "NonZero", "TopK", "NonMaxSuppression", "Unique", "Compress"})
 
 
 class PrepareFailedError(KenosisError):
@@ -455,24 +461,24 @@ class TensorObserver(Protocol):
         """Forget the runs: they were not of the model kept."""
 
 
-def _run_observed(candidate: bytes, feeds: Sequence[Mapping[str, np.ndarray]], observer: TensorObserver | None
-                  ) -> list[list[np.ndarray]]:
-    """The candidate's outputs on ``feeds`` with every optimization on; ``observer``'s tensors, exposed
-    as extra outputs of the same runs, go to it (and are not returned)."""
+def _with_observed(candidate: bytes, observer: TensorObserver | None) -> tuple[bytes, list[str], int | None]:
+    """The candidate with ``observer``'s tensors as extra outputs, all its output names, and how many
+    are its own (None when there is nothing to observe: the candidate as it is)."""
     if observer is None:
-        return fidelity.run(candidate, feeds, optimized=True)
+        return candidate, [], None
     proto = onnx.ModelProto.FromString(candidate)
-    outputs = len(proto.graph.output)
-    declared = {o.name for o in proto.graph.output}
-    extra = [name for name in dict.fromkeys(observer.tensors(proto)) if name not in declared]
+    own = [o.name for o in proto.graph.output]
+    extra = [name for name in dict.fromkeys(observer.tensors(proto)) if name not in set(own)]
     if not extra:
-        return fidelity.run(candidate, feeds, optimized=True)
+        return candidate, [], None
     proto.graph.output.extend(onnx.ValueInfoProto(name=name) for name in extra)
-    runs = fidelity.run(proto.SerializeToString(), feeds, optimized=True)
-    names = [o.name for o in proto.graph.output]
-    for run in runs:
-        observer.observe(dict(zip(names, run)))
-    return [run[:outputs] for run in runs]
+    return proto.SerializeToString(), [*own, *extra], len(own)
+
+
+def _routes_by_data(model: ir.Model) -> bool:
+    """Whether different inputs can take different paths through ``model`` (control flow, or tensors
+    whose size depends on the values): one input's run then says nothing about another's path."""
+    return any(node.op_type in _DATA_ROUTED_OPS for node in model.graph.all_nodes())
 
 
 def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool,
@@ -481,24 +487,33 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     on the way).
 
     First as both run in onnxruntime with every optimization on, as users run them: equal within
-    ``PREPARE_TOLERANCE`` of the outputs' magnitude verifies (the original's optimized runs are
-    the ones quantize()'s final fidelity reads again). Otherwise the graphs as written are compared,
-    both run with optimizations off, within float rounding or ``NOISE_FACTOR`` x what onnxruntime's
-    own optimizations change (:func:`_verified_as_written`). ``observer``'s tensors are exposed as
+    ``PREPARE_TOLERANCE`` of the outputs' magnitude on the first ``VERIFY_FEEDS`` feeds verifies
+    (the original's optimized runs are the ones quantize()'s final fidelity reads again). Every
+    rewrite is an identity applied whatever the data, so a wrong one shows on any real input; a
+    graph that routes inputs by their values (:func:`_routes_by_data`), and an ``observer``, get
+    every feed. Otherwise the graphs as written are compared on every feed, both run with
+    optimizations off, within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own
+    optimizations change (:func:`_verified_as_written`). ``observer``'s tensors are exposed as
     extra outputs of the first check's runs of the prepared model (onnxruntime keeps its fusions
     around them: they are outputs of the nodes it fuses into); it is told to discard them when
     the model is verified otherwise."""
     candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
-    feeds = original.feeds
+    observed, names, own = _with_observed(candidate, observer)
+    every_feed = own is not None or _routes_by_data(work)
+    feeds = original.feeds if every_feed else original.feeds[:VERIFY_FEEDS]
     try:
-        reference = original.outputs(optimized=True)
+        reference = original.outputs(optimized=True, count=len(feeds))
     except RuntimeMeasurementError as error:
         report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
         return True
     try:
         # it must load with every optimization on (ORT's own fusions can fail on a graph they or we
         # rewrote: that model would not run at all)
-        outputs = _run_observed(candidate, feeds, observer)
+        outputs = fidelity.run(observed, feeds, optimized=True)
+        if own is not None:
+            for run in outputs:
+                observer.observe(dict(zip(names, run)))
+            outputs = [run[:own] for run in outputs]
         if _declared_output_repairs(work, outputs[0], report):
             candidate = ir.serde.serialize_model(work).SerializeToString()
         onnx.checker.check_model(candidate, full_check=True)
