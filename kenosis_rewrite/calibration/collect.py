@@ -141,10 +141,31 @@ def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [value for value in model.graph.input if value.name not in initializers]
 
 
+_INLINE_BYTES = 1024  # initializers up to this size keep their data for shape inference (shape tensors)
+
+
+def _without_data(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """``tensor``, its data over ``_INLINE_BYTES`` replaced by a reference to a file that does not
+    exist (as :func:`kenosis_rewrite._io.graph_only_proto` writes it): shape inference reads only its
+    type and dims."""
+    if len(tensor.raw_data) <= _INLINE_BYTES:
+        return tensor
+    light = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
+                             data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", _io.GRAPH_ONLY_LOCATION), ("offset", "0"), ("length", str(len(tensor.raw_data)))):
+        light.external_data.add(key=key, value=value)
+    return light
+
+
 def _with_input_shapes(model: onnx.ModelProto, feed: Mapping[str, np.ndarray] | None) -> onnx.ModelProto:
-    """A copy whose graph inputs have the shapes of ``feed``, so shape inference resolves dynamic dims."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    """A copy of ``model`` for shape inference: its graph inputs have the shapes of ``feed`` (so dynamic
+    dims resolve), its large initializers no data (:func:`_without_data`; not copied, not serialised)."""
+    graph = model.graph
+    copy = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    copy.graph.name = graph.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(copy.graph, field).extend(getattr(graph, field))
+    copy.graph.initializer.extend(_without_data(tensor) for tensor in graph.initializer)
     if feed is None:
         return copy
     for value in copy.graph.input:
