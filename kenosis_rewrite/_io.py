@@ -44,7 +44,7 @@ LARGE_MODEL_BYTES = _PROTOBUF_LIMIT
 # A path whose external data exceeds this is loaded lazily (onnx-ir, memory-mapped tensors), not
 # read whole into a ModelProto; the result is still a ModelProto up to LARGE_MODEL_BYTES.
 LAZY_LOAD_BYTES = 256 << 20
-_GRAPH_ONLY_LOCATION = "kenosis-graph-only.data"  # never read: stands in for tensor data in checks
+GRAPH_ONLY_LOCATION = "kenosis-graph-only.data"  # never read: stands in for tensor data in checks
 
 
 @dataclasses.dataclass
@@ -140,7 +140,7 @@ def graph_only_proto(model: ir.Model) -> onnx.ModelProto:
         tensor = value.const_value
         if tensor is not None and not isinstance(tensor, ir.ExternalTensor) and tensor.nbytes > 1024:
             value.const_value = ir.ExternalTensor(
-                _GRAPH_ONLY_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=tensor.name or value.name,
+                GRAPH_ONLY_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=tensor.name or value.name,
             )
             swapped.append((value, tensor))
     try:

@@ -24,11 +24,17 @@ def options(
     *,
     level: str = "all",
     log_severity: int = 3,
+    spinning: bool = True,
     optimized_path: str | None = None,
     profile_prefix: str | None = None,
 ) -> ort.SessionOptions:
     """Session options: ``threads`` intra-op threads (None: ORT's default, all cores), one inter-op thread.
 
+    ``spinning``: False stops idle intra-op threads from spinning between ops. For the sessions that
+    compute something rather than measure latency (calibration, statistics): on a busy machine a
+    spinning thread takes the core the working one needs (8 calibration runs of a ResNet-50 took
+    3.8 s with two spinning threads, 1.6 s with two that sleep, one other process at 100% of one of
+    the two cores). Outputs are the same: spinning changes when threads wait, not what they compute.
     ``optimized_path``: ORT writes the graph it runs there, its weights kept in an external file
     (only the structure is read back). ``profile_prefix``: profiling on, files start with it.
     """
@@ -39,6 +45,8 @@ def options(
     result.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     result.graph_optimization_level = LEVELS[level]
     result.log_severity_level = log_severity
+    if not spinning:
+        result.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if optimized_path is not None:
         result.optimized_model_filepath = optimized_path
         result.add_session_config_entry(

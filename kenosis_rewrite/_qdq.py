@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import numpy as np
 import onnx_ir as ir
@@ -165,13 +166,16 @@ class NameAllocator:
     N things costs one scan, not N.
     """
 
-    def __init__(self, graph: ir.Graph):
+    def __init__(self, graph: ir.Graph, also_taken: Iterable[str] = ()):
+        """``also_taken``: names used elsewhere (the model a scratch ``graph`` will be merged into)."""
         self._graph = graph
+        self._also_taken = also_taken
         self._taken: set[str] | None = None
         self._next_index: dict[str, int] = {}  # per base: every ``base_i`` below it is taken
 
     def _scan(self) -> set[str]:
         taken = set(self._graph.initializers)
+        taken.update(self._also_taken)
         taken.update(v.name for v in self._graph.inputs if v.name)
         for node in ir.traversal.RecursiveGraphIterator(self._graph):
             taken.update(v.name for v in node.outputs if v.name)

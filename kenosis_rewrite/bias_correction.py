@@ -171,13 +171,36 @@ def _copied(node: ir.Node, inputs: Sequence[ir.Value | None]) -> ir.Node:
     return ir.Node(node.domain, node.op_type, inputs, attributes, version=node.version, num_outputs=1)
 
 
-def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.ModelProto:
-    """The FP32 model plus, per layer, the mean (quantized - FP32) output as an extra output."""
-    model = ir.serde.deserialize_model(float_proto)
+def _names_of(model: onnx.ModelProto) -> set[str]:
+    """Every value, initializer and node name of ``model``'s main graph."""
     graph = model.graph
-    names = _qdq.NameAllocator(graph)
-    values = {v.name: v for v in (*graph.inputs, *graph.initializers.values())}
-    values.update({v.name: v for node in graph for v in node.outputs})
+    names = {v.name for v in [*graph.input, *graph.initializer, *graph.output]}
+    for node in graph.node:
+        names.update(node.output)
+        names.add(node.name)
+    return names
+
+
+def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.ModelProto:
+    """The FP32 model plus, per layer, the mean (quantized - FP32) output as an extra output.
+
+    The additions are built in a scratch graph, serialised alone and appended to a copy of
+    ``float_proto`` (the FP32 model is not converted to onnx_ir and back)."""
+    graph = ir.Graph([], [], nodes=[], name="bias-correction probe")
+    names = _qdq.NameAllocator(graph, also_taken=_names_of(float_proto))
+    values: dict[str, ir.Value] = {}
+
+    def fp32(name: str) -> ir.Value:
+        """The FP32 model's tensor ``name``, as the scratch graph reads it."""
+        return values.setdefault(name, ir.Value(name=name))
+
+    def add(node: ir.Node) -> ir.Value:
+        """Append ``node``, it and its output named apart from the FP32 model's names; its output."""
+        node.name = names.fresh(f"kenosis_bc_{node.op_type}")
+        node.outputs[0].name = names.fresh(f"kenosis_bc_{node.op_type}_output")
+        graph.append(node)
+        return node.outputs[0]
+
     for layer in layers:
         node = layer.node
         input_dq, weight_dq, bias_dq = (value.producer() for value in node.inputs[:3])
@@ -185,25 +208,24 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.Model
 
         def copy(dq_or_q: ir.Node, data: ir.Value) -> ir.Value:
             params = [_initializer(graph, names, v) for v in dq_or_q.inputs[1:]]
-            new = _copied(dq_or_q, [data, *params])
-            graph.append(new)
-            return new.outputs[0]
+            return add(_copied(dq_or_q, [data, *params]))
 
-        x = copy(input_dq, copy(quantize, values[layer.source]))
+        x = copy(input_dq, copy(quantize, fp32(layer.source)))
         weights = copy(weight_dq, _initializer(graph, names, weight_dq.inputs[0]))
         bias = (_initializer(graph, names, node.inputs[2]) if layer.bias_scale is None
                 else copy(bias_dq, _initializer(graph, names, bias_dq.inputs[0])))
-        quantized = _copied(node, [x, weights, bias])
-        difference = ir.node("Sub", [quantized.outputs[0], values[layer.reference]])
-        graph.extend([quantized, difference])
-        result = difference.outputs[0]
+        result = add(ir.node("Sub", [add(_copied(node, [x, weights, bias])), fp32(layer.reference)]))
         if node.op_type == "Conv":
-            pooled = ir.node("GlobalAveragePool", [result])
-            graph.append(pooled)
-            result = pooled.outputs[0]
-        result.name = names.fresh(f"kenosis_bias_shift_{len(graph.outputs)}")
+            result = add(ir.node("GlobalAveragePool", [result]))
+        result.name = names.fresh(f"kenosis_bias_shift_{len(float_proto.graph.output) + len(graph.outputs)}")
         graph.outputs.append(result)
-    return ir.serde.serialize_model(model)
+    additions = ir.serde.serialize_graph(graph)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(float_proto)
+    probe.graph.initializer.extend(additions.initializer)
+    probe.graph.node.extend(additions.node)
+    probe.graph.output.extend(additions.output)
+    return probe
 
 
 def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> list[np.ndarray]:

@@ -21,9 +21,14 @@
    shape the model does not produce (Paddle exports declare rank 0 for rank-2 outputs) gets the
    shape it really has, so shape inference and the checker accept the graph.
 5. **Verification**: the prepared model runs on the feeds and must equal the original within float
-   rounding: max error <= ``PREPARE_TOLERANCE`` x the output's largest magnitude, or, where the model
-   amplifies rounding, ``NOISE_FACTOR`` x what onnxruntime's own graph optimizations change on the
-   same inputs; otherwise the original is kept and the report says why.
+   rounding: first both as onnxruntime runs them (every optimization on), max error <=
+   ``PREPARE_TOLERANCE`` x the output's largest magnitude, on the first ``VERIFY_FEEDS`` feeds (the
+   rewrites are identities whatever the data: a wrong one shows on any real input; every feed for a
+   graph with control flow or value-dependent sizes); failing that, both graphs as written
+   (optimizations off), within ``PREPARE_TOLERANCE`` or, where the model amplifies rounding,
+   ``NOISE_FACTOR`` x what onnxruntime's own graph optimizations change on the same inputs;
+   otherwise the original is kept and the report says why. The first check proves the equality of
+   what runs (ORT's rewrites of both graphs included), the second that of the graphs as written.
 
 Exactness: every step is exact in real arithmetic; float32 results differ by rounding only, which
 step 5 measures on the caller's inputs.
@@ -35,6 +40,7 @@ import collections
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -71,6 +77,10 @@ _REWRITE_STEPS = 8
 _SMALL_CONSTANT_ELEMENTS = 1 << 16
 _PROTOBUF_LIMIT = 2**31 - 1
 _HARDSWISH_OPSET = 14  # HardSwish is an ONNX op from opset 14
+# prepare()'s first check runs this many feeds (see _verified), every feed where the graph routes
+# inputs by their values
+VERIFY_FEEDS = 2
+_DATA_ROUTED_OPS = frozenset({"If", "Loop", "Scan", "NonZero", "TopK", "NonMaxSuppression", "Unique", "Compress"})
 
 
 class PrepareFailedError(KenosisError):
@@ -291,7 +301,11 @@ def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
     """onnxruntime's basic (level 1, standard ops only) optimizer: its transpose optimizer cancels the
     NHWC Transposes that fan out (residual blocks), which local sinking cannot. Kept when it loads."""
     proto = ir.serde.serialize_model(model)
-    if proto.ByteSize() >= _PROTOBUF_LIMIT:
+    try:
+        serialized = proto.SerializeToString()  # once: its length is the size check too
+    except ValueError:  # protobuf refuses messages over 2 GB
+        serialized = b""
+    if not serialized or len(serialized) >= _PROTOBUF_LIMIT:
         report.note("prepare: onnxruntime's basic optimizer skipped (model over 2 GB)")
         return model
     with tempfile.TemporaryDirectory() as folder:
@@ -300,7 +314,7 @@ def _ort_basic_optimized(model: ir.Model, report: FixReport) -> ir.Model:
         options.optimized_model_filepath = os.path.join(folder, "basic.onnx")
         options.log_severity_level = 3
         try:
-            ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
             optimized_proto = onnx.load(options.optimized_model_filepath)
             _rename_introduced_values(optimized_proto, proto)
             optimized = ir.serde.deserialize_model(optimized_proto)
@@ -393,13 +407,17 @@ def prepare_serialized(
     verify: bool = True,
     strict: bool = False,
     reference: fidelity.ReferenceRuns | None = None,
+    observer: TensorObserver | None = None,
 ) -> ir.Model:
     """:func:`prepare` of a model serialised by onnx_ir (what prepare() makes of any argument), its
     decisions added to ``report``: a new onnx_ir.Model (the original, copied, where canonicalizing
     failed or did not verify).
 
     ``reference``: the original's runs on ``feeds``, for a caller that runs it on them again
-    (quantize(): its final fidelity); verification reads and adds to them."""
+    (quantize(): its final fidelity); verification reads and adds to them. ``observer``: shown the
+    tensors it names of the prepared model on each feed, from the verification's runs; it keeps
+    them only when the prepared model is returned as those runs verified it (it is told to discard
+    them otherwise)."""
     feeds = list(feeds) if feeds is not None else None
     work = ir.serde.deserialize_model(original)
     if input_shapes is not None:
@@ -422,13 +440,99 @@ def prepare_serialized(
     if reference is None:
         # without feeds, random inputs of the shapes the prepared model accepts
         reference = fidelity.ReferenceRuns(original, feeds or fidelity.random_feeds(ir.serde.serialize_model(work), 2))
-    return work if _verified(reference, work, report, strict) else ir.serde.deserialize_model(original)
+    if _verified(reference, work, report, strict, observer):
+        return work
+    if observer is not None:
+        observer.discard()
+    return ir.serde.deserialize_model(original)
 
 
-def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool) -> bool:
+class TensorObserver(Protocol):
+    """Something gathering statistics of the prepared model's tensors from the verification's runs
+    (quantize(): equalization's channel maxima)."""
+
+    def tensors(self, model: onnx.ModelProto) -> list[str]:
+        """The tensors of ``model`` to show :meth:`observe` (and forget any earlier runs)."""
+
+    def observe(self, values: Mapping[str, np.ndarray]) -> None:
+        """One run's tensors, by name."""
+
+    def discard(self) -> None:
+        """Forget the runs: they were not of the model kept."""
+
+
+def _with_observed(candidate: bytes, observer: TensorObserver | None) -> tuple[bytes, list[str], int | None]:
+    """The candidate with ``observer``'s tensors as extra outputs, all its output names, and how many
+    are its own (None when there is nothing to observe: the candidate as it is)."""
+    if observer is None:
+        return candidate, [], None
+    proto = onnx.ModelProto.FromString(candidate)
+    own = [o.name for o in proto.graph.output]
+    extra = [name for name in dict.fromkeys(observer.tensors(proto)) if name not in set(own)]
+    if not extra:
+        return candidate, [], None
+    proto.graph.output.extend(onnx.ValueInfoProto(name=name) for name in extra)
+    return proto.SerializeToString(), [*own, *extra], len(own)
+
+
+def _routes_by_data(model: ir.Model) -> bool:
+    """Whether different inputs can take different paths through ``model`` (control flow, or tensors
+    whose size depends on the values): one input's run then says nothing about another's path."""
+    return any(node.op_type in _DATA_ROUTED_OPS for node in model.graph.all_nodes())
+
+
+def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool,
+              observer: TensorObserver | None = None) -> bool:
     """Whether ``work`` reproduces the original model on its feeds (declared output shapes repaired
-    on the way)."""
+    on the way).
+
+    First as both run in onnxruntime with every optimization on, as users run them: equal within
+    ``PREPARE_TOLERANCE`` of the outputs' magnitude on the first ``VERIFY_FEEDS`` feeds verifies
+    (the original's optimized runs are the ones quantize()'s final fidelity reads again). Every
+    rewrite is an identity applied whatever the data, so a wrong one shows on any real input; a
+    graph that routes inputs by their values (:func:`_routes_by_data`), and an ``observer``, get
+    every feed. Otherwise the graphs as written are compared on every feed, both run with
+    optimizations off, within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own
+    optimizations change (:func:`_verified_as_written`). ``observer``'s tensors are exposed as
+    extra outputs of the first check's runs of the prepared model (onnxruntime keeps its fusions
+    around them: they are outputs of the nodes it fuses into); it is told to discard them when
+    the model is verified otherwise."""
     candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
+    observed, names, own = _with_observed(candidate, observer)
+    every_feed = own is not None or _routes_by_data(work)
+    feeds = original.feeds if every_feed else original.feeds[:VERIFY_FEEDS]
+    try:
+        reference = original.outputs(optimized=True, count=len(feeds))
+    except RuntimeMeasurementError as error:
+        report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
+        return True
+    try:
+        # it must load with every optimization on (ORT's own fusions can fail on a graph they or we
+        # rewrote: that model would not run at all)
+        outputs = fidelity.run(observed, feeds, optimized=True)
+        if own is not None:
+            for run in outputs:
+                observer.observe(dict(zip(names, run)))
+            outputs = [run[:own] for run in outputs]
+        if _declared_output_repairs(work, outputs[0], report):
+            candidate = ir.serde.serialize_model(work).SerializeToString()
+        onnx.checker.check_model(candidate, full_check=True)
+    except (RuntimeMeasurementError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as failure:
+        return _refused(f"the prepared model fails: {failure}", report, strict)
+    error = _max_relative_error(reference, outputs)
+    if error <= PREPARE_TOLERANCE:
+        report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
+                    "(both optimized as onnxruntime runs them)")
+        return True
+    if observer is not None:
+        observer.discard()
+    return _verified_as_written(original, candidate, report, strict)
+
+
+def _verified_as_written(original: fidelity.ReferenceRuns, candidate: bytes, report: FixReport, strict: bool) -> bool:
+    """The graphs as written (optimizations off) agree within float rounding, or ``NOISE_FACTOR`` x
+    what onnxruntime's own optimizations change on the same inputs (outputs behind a steep
+    nonlinearity amplify any rounding)."""
     feeds = original.feeds
     try:
         reference = original.outputs(optimized=False)
@@ -439,23 +543,19 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
         return True
     tolerance = max(PREPARE_TOLERANCE, NOISE_FACTOR * runtime_noise)
     try:
-        outputs = fidelity.run(candidate, feeds, optimized=False)
-        # and it must load with every optimization on, as users run it (ORT's own fusions can fail on
-        # a graph they or we rewrote: that model would not run at all)
-        fidelity.run(candidate, feeds[:1], optimized=True)
-        if _declared_output_repairs(work, outputs[0], report):
-            candidate = ir.serde.serialize_model(work).SerializeToString()
-        onnx.checker.check_model(candidate, full_check=True)
-        error = _max_relative_error(reference, outputs)
-        reason = None if error <= tolerance else (
-            f"outputs differ by {error:.2g} of their magnitude (allowed {tolerance:.2g}: float rounding, or "
-            f"{NOISE_FACTOR:g}x what onnxruntime's own optimizations change, {runtime_noise:.2g})")
-    except (RuntimeMeasurementError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as failure:
-        reason, error = f"the prepared model fails: {failure}", float("inf")
-    if reason is None:
-        report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
-                    f"(onnxruntime's own optimizations: {runtime_noise:.2g})")
-        return True
+        error = _max_relative_error(reference, fidelity.run(candidate, feeds, optimized=False))
+    except RuntimeMeasurementError as failure:
+        return _refused(f"the prepared model fails: {failure}", report, strict)
+    if error > tolerance:
+        return _refused(f"outputs differ by {error:.2g} of their magnitude (allowed {tolerance:.2g}: float rounding, or "
+                        f"{NOISE_FACTOR:g}x what onnxruntime's own optimizations change, {runtime_noise:.2g})", report, strict)
+    report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
+                f"(onnxruntime's own optimizations: {runtime_noise:.2g})")
+    return True
+
+
+def _refused(reason: str, report: FixReport, strict: bool) -> bool:
+    """False, with ``reason`` in the report (raised with ``strict``)."""
     if strict:
         raise PrepareFailedError(f"prepare(): {reason}")
     report.note(f"prepare: {reason}; the model is used as exported")

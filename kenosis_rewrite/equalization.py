@@ -118,21 +118,59 @@ def find_chains(model: onnx.ModelProto) -> list[_Chain]:
     return chains
 
 
+def _reach(value: np.ndarray) -> np.ndarray:
+    """Each channel's (axis 1) largest magnitude in ``value``."""
+    return np.abs(value).max(axis=tuple(a for a in range(value.ndim) if a != 1))
+
+
+class ChannelMaxima:
+    """Each channel's largest magnitude of the chain tensors of a model, gathered from runs made
+    for something else (quantize() passes it to prepare(), whose verification runs the prepared
+    model on the calibration feeds): :meth:`tensors` names what to expose, :meth:`observe` takes
+    each run's values. :func:`equalize` uses them where they cover its chains."""
+
+    def __init__(self, tensors: Sequence[str] = ()) -> None:
+        self._names = list(tensors)
+        self._maxima: dict[str, np.ndarray] = {}
+        self._counts: dict[str, int] = {}
+        self.runs = 0
+
+    def tensors(self, model: onnx.ModelProto) -> list[str]:
+        """The tensors of ``model``'s chains (what to show :meth:`observe`); forgets earlier runs."""
+        self._names = [chain.tensor for chain in find_chains(model)]
+        self.discard()
+        return list(self._names)
+
+    def observe(self, values: Mapping[str, np.ndarray]) -> None:
+        """Add one run's tensors (by name)."""
+        for name in self._names:
+            reach = _reach(values[name])
+            self._maxima[name] = np.maximum(self._maxima[name], reach) if name in self._maxima else reach
+            self._counts[name] = self._counts.get(name, 0) + values[name].size // max(values[name].shape[1], 1)
+        self.runs += 1
+
+    def discard(self) -> None:
+        """Forget the runs (they were of a model that is not the one kept)."""
+        self._maxima, self._counts, self.runs = {}, {}, 0
+
+    def of(self, tensors: Sequence[str], runs: int) -> tuple[list[np.ndarray], list[int]] | None:
+        """(maxima, values per channel) of ``tensors`` over ``runs`` runs; None unless all were seen that often."""
+        if self.runs != runs or any(name not in self._maxima for name in tensors):
+            return None
+        return [self._maxima[name] for name in tensors], [self._counts[name] for name in tensors]
+
+
 def _channel_maxima(model: onnx.ModelProto, tensors: Sequence[str], feeds) -> tuple[list[np.ndarray], list[int]]:
     """Per tensor, each channel's largest magnitude over ``feeds``, and how many values per channel that saw."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     del probe.graph.output[:]
     probe.graph.output.extend(onnx.ValueInfoProto(name=name) for name in tensors)
-    session = _ort.session(probe, _ort.options(None, level="basic"))
-    maxima: list[np.ndarray | None] = [None] * len(tensors)
-    counts = [0] * len(tensors)
+    session = _ort.session(probe, _ort.options(None, level="basic", spinning=False))
+    observed = ChannelMaxima(tensors)
     for feed in feeds:
-        for i, value in enumerate(session.run(list(tensors), dict(feed))):
-            reach = np.abs(value).max(axis=tuple(a for a in range(value.ndim) if a != 1))
-            maxima[i] = reach if maxima[i] is None else np.maximum(maxima[i], reach)
-            counts[i] += value.size // max(value.shape[1], 1)
-    return maxima, counts
+        observed.observe(dict(zip(tensors, session.run(list(tensors), dict(feed)))))
+    return observed.of(tensors, len(feeds))
 
 
 def channel_scales(maxima: np.ndarray, bound: float | None = None) -> np.ndarray:
@@ -155,14 +193,20 @@ def _scaled(initializer: onnx.TensorProto, factors: np.ndarray) -> onnx.TensorPr
 
 
 def equalize(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-             report: FixReport | None = None) -> tuple[onnx.ModelProto, int]:
+             report: FixReport | None = None, observed: ChannelMaxima | None = None) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with every activation of :func:`find_chains` equalized over ``feeds``, and
-    how many were (see the module docstring). ``model`` itself is not changed."""
+    how many were (see the module docstring). ``model`` itself is not changed; the copy of a model
+    onnx_ir serialised is one it would serialise the same (only initializers are replaced, by
+    tensors encoded as it encodes them: name, dims, data type, raw data). ``observed``: the
+    maxima of this model's chain tensors on ``feeds``, already gathered; the model runs only when
+    they do not cover every chain."""
     chains = find_chains(model)
     if not chains or not feeds:
         return model, 0
+    tensors = [c.tensor for c in chains]
+    gathered = observed.of(tensors, len(feeds)) if observed is not None else None
     try:
-        maxima, counts = _channel_maxima(model, [c.tensor for c in chains], feeds)
+        maxima, counts = gathered if gathered is not None else _channel_maxima(model, tensors, feeds)
     except Exception as error:  # noqa: BLE001 - ORT raises many types; the model stays as it is
         if report is not None:
             report.note(f"activation equalization skipped: ONNX Runtime could not run the model ({error})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -122,3 +123,39 @@ def test_quantized_equalized_model_is_closer_to_fp32():
     assert _testing.op_types(plain) == _testing.op_types(equalized)  # numbers change, not the graph
     scores = fidelity.compare_to_float(float_model, {"plain": plain, "equalized": equalized}, _feeds(6, seed=3))
     assert scores["equalized"]["sqnr_db"] > scores["plain"]["sqnr_db"]
+
+
+def test_maxima_observed_from_other_runs_replace_its_own(monkeypatch):
+    from kenosis_rewrite import canonical, equalization  # noqa: PLC0415
+
+    model, feeds = _model(), _feeds(4, seed=1)
+    own, own_count = equalize(model, feeds)
+    observed = equalization.ChannelMaxima()
+    prepared = canonical.prepare_serialized(model, feeds, FixReport(target="prepare"), observer=observed)
+    assert observed.runs == len(feeds) and observed.of(["t"], len(feeds)) is not None
+    proto = ir.serde.serialize_model(prepared)
+    monkeypatch.setattr(equalization, "_channel_maxima", lambda *a: pytest.fail("ran the model again"))
+    shared, shared_count = equalize(proto, feeds, observed=observed)
+    assert shared_count == own_count == 1
+    for ours, theirs in zip(shared.graph.initializer, own.graph.initializer):
+        np.testing.assert_allclose(numpy_helper.to_array(ours), numpy_helper.to_array(theirs), rtol=1e-5)
+    assert equalization.ChannelMaxima().of(["t"], len(feeds)) is None  # nothing seen: the model runs
+
+
+def test_observed_maxima_are_discarded_when_prepare_keeps_the_original(monkeypatch):
+    from kenosis_rewrite import canonical, equalization  # noqa: PLC0415
+
+    model, feeds = _model(), _feeds(4, seed=1)
+    monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", -1.0)  # no check passes: the original is kept
+    monkeypatch.setattr(canonical, "NOISE_FACTOR", -1.0)
+    observed = equalization.ChannelMaxima()
+    canonical.prepare_serialized(model, feeds, FixReport(target="prepare"), observer=observed)
+    assert observed.runs == 0 and observed.of(["t"], len(feeds)) is None
+
+
+def test_an_equalized_onnx_ir_proto_is_one_onnx_ir_serialises_the_same():
+    serialised = ir.serde.serialize_model(ir.serde.deserialize_model(_model()))
+    equalized, count = equalize(serialised, _feeds(4, seed=1))
+    assert count == 1
+    again = ir.serde.serialize_model(ir.serde.deserialize_model(equalized))
+    assert again.SerializeToString() == equalized.SerializeToString()

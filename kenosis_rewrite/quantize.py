@@ -44,7 +44,7 @@ from kenosis_rewrite import _io, calibration as calib, fidelity
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
-from kenosis_rewrite.equalization import equalize
+from kenosis_rewrite.equalization import ChannelMaxima, equalize
 from kenosis_rewrite.weight_rounding import InputMoments, round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
@@ -193,6 +193,20 @@ def _shared_concat_ranges(model: onnx.ModelProto, ranges, excluded, report: FixR
     return shared
 
 
+def _calibrated(model: onnx.ModelProto, chosen_plan: str, options: Mapping, layer_inputs: InputMoments | None
+                ) -> set[str] | None:
+    """The tensors calibration must measure: every one for the full plan (None); for the weighted
+    plans, the computed inputs of the ops quantize_static quantizes (their outputs stay float) and
+    weight rounding's layer inputs. The rest stay inside onnxruntime's graph, free to be fused."""
+    if chosen_plan not in WEIGHTED_PLANS:
+        return None
+    constants = {init.name for init in model.graph.initializer}
+    quantized_ops, excluded = set(options["op_types_to_quantize"]), set(options.get("nodes_to_exclude", ()))
+    wanted = {name for node in model.graph.node if node.op_type in quantized_ops and node.name not in excluded
+              for name in node.input if name and name not in constants}
+    return wanted | (layer_inputs.sources() if layer_inputs is not None else set())
+
+
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
     initializers = {init.name for init in model.graph.initializer}
     if sum(value.name not in initializers for value in model.graph.input) < 2:
@@ -285,11 +299,13 @@ def quantize(
     # the model as given on the calibration feeds: prepare() verifies against these runs, the final
     # fidelity reuses them
     float_runs = fidelity.ReferenceRuns(original, feeds)
+    # equalization's channel maxima, from prepare()'s runs of the prepared model on the same feeds
+    maxima = ChannelMaxima() if equalization else None
     if canonicalize:
         preparation = FixReport(target="prepare")
         # synthetic feeds have made-up sizes: they must not fix the model's input dims
         prepared = prepare_serialized(original, feeds, preparation, reference=float_runs,
-                                      pin_shapes=not _self_calibrated(calibration))
+                                      pin_shapes=not _self_calibrated(calibration), observer=maxima)
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
     else:
@@ -298,14 +314,14 @@ def quantize(
     # per-channel, quantized once), not as activations re-quantized at every run.
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
-    serialised = ir.serde.serialize_model(prepared)
-    proto = serialised
+    proto = ir.serde.serialize_model(prepared)
     if equalization:
-        proto, equalized = equalize(proto, feeds, report)
+        proto, equalized = equalize(proto, feeds, report, observed=maxima)
         report.note(f"activation equalization: {equalized} tensors")
+    serialised = proto  # equalize() keeps a proto onnx_ir serialised as onnx_ir would serialise it
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
     # calibration and quantize_static each load and serialise their model again, to no effect on a
-    # proto onnx_ir serialised (one from equalization or the opset converter has not been)
+    # proto onnx_ir serialised (one from the opset converter has not been)
     unconverted = proto is serialised
     auto = per_channel == "auto"
     options = quantize_static_options(target, False if auto else bool(per_channel))
@@ -333,7 +349,8 @@ def quantize(
     layer_inputs = InputMoments(proto) if weight_rounding else None
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
-                                      observe=layer_inputs.observe if layer_inputs is not None else None)
+                                      observe=layer_inputs.observe if layer_inputs is not None else None,
+                                      tensors=_calibrated(proto, chosen_plan, options, layer_inputs))
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types

@@ -237,6 +237,10 @@ class InputMoments:
                 self._inputs[node.output[0]] = _Inputs(node.input[0], 0, (), (), (), ())
         self._moments = {reference: _Moments() for reference in self._inputs}
 
+    def sources(self) -> set[str]:
+        """The tensors :meth:`observe` reads (the layers' inputs)."""
+        return {inputs.source for inputs in self._inputs.values()}
+
     def observe(self, values: Mapping[str, np.ndarray]) -> None:
         """Add one run's tensors (by name; those it has of the layers' inputs)."""
         for reference, inputs in self._inputs.items():
@@ -257,7 +261,7 @@ def _measure(float_model: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> l
     sources = list(dict.fromkeys(layer.source for layer in layers))
     del model.graph.output[:]
     model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in sources)
-    session = _ort.session(model, _ort.options(None, level="basic"))
+    session = _ort.session(model, _ort.options(None, level="basic", spinning=False))
     moments = [_Moments() for _ in layers]
     for feed in feeds:
         values = dict(zip(sources, session.run(sources, dict(feed))))

@@ -122,6 +122,17 @@ def test_tensor_groups_give_the_same_ranges_as_one_pass():
     assert whole.ranges == split.ranges
 
 
+def test_chosen_tensors_only_are_measured_as_in_a_whole_pass(tmp_path):
+    model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(model, 3)
+    whole = collect_ranges(model, feeds, "minmax", progress=False)
+    chosen = sorted(whole)[::3] + ["not_a_tensor"]
+    some = collect_ranges(model, feeds, "minmax", progress=False, tensors=chosen)
+    assert some.ranges == {name: whole[name] for name in chosen if name in whole}
+    with pytest.raises(ValueError, match="not both"):
+        collect_ranges(model, feeds, progress=False, tensors=chosen, cache=tmp_path)
+
+
 def test_histogram_growth_is_exact():
     rng = np.random.default_rng(0)
     histogram = StreamingHistogram(bins=64)

@@ -115,3 +115,33 @@ def test_quantize_canonicalizes_first_and_leaves_no_float_pad_islands():
     scores = fidelity.compare_to_float(model, {"quantized": quantized, "raw": raw}, feeds[6:], optimized=False)
     assert scores["quantized"]["cosine"] >= scores["raw"]["cosine"] - 2e-3
     assert scores["quantized"]["cosine"] > 0.99
+
+
+def test_verification_compares_the_graphs_as_written_when_the_optimized_runs_differ(monkeypatch):
+    model = toy_models.build_export("tf_same_padding", seed=1)
+    feeds = _feeds([1, toy_models.C, 16, 16])
+    runs = []
+    real_run = canonical.fidelity.run
+    monkeypatch.setattr(canonical.fidelity, "run", lambda m, f, optimized=True: runs.append(optimized) or real_run(m, f, optimized))
+    _, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert any("both optimized as onnxruntime runs them" in note for note in report.notes)
+    assert False not in runs  # the optimized runs verified: no graph ran as written
+    if len(feeds) > canonical.VERIFY_FEEDS:
+        assert any(f"verified on {canonical.VERIFY_FEEDS} inputs" in note for note in report.notes)
+    runs.clear()
+    monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", -1.0)  # no optimized comparison passes
+    monkeypatch.setattr(canonical, "NOISE_FACTOR", float("inf"))
+    prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert any("onnxruntime's own optimizations:" in note for note in report.notes)
+    assert False in runs and _ops(prepared) != _ops(model)
+
+
+def test_graphs_that_route_inputs_by_value_are_verified_on_every_feed():
+    model = toy_models.build_export("tf_same_padding", seed=1)
+    feeds = _feeds([1, toy_models.C, 16, 16], n=4)
+    _, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert any(f"verified on {canonical.VERIFY_FEEDS} inputs" in note for note in report.notes)
+    work = ir.serde.deserialize_model(model)
+    assert not canonical._routes_by_data(work)
+    work.graph.append(ir.node("NonZero", [work.graph.inputs[0]]))
+    assert canonical._routes_by_data(work)

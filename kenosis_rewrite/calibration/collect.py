@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -110,6 +110,13 @@ class TensorRanges(Mapping):
                 for name, (lo, hi) in self.ranges.items()}
         return TensorsData(CalibrationMethod.MinMax, data)
 
+    def to_cached_tensors_data(self):
+        """:meth:`to_tensors_data` as ORT reads it back from the cache :meth:`write_ort_cache` writes
+        (its JSON round trip, in memory): what quantize_static's quantizer gets from that file."""
+        from onnxruntime.quantization.calibrate import CalibrationCacheEncoder, TensorsData
+
+        return TensorsData.from_dict(json.loads(json.dumps(self.to_tensors_data().to_dict(), cls=CalibrationCacheEncoder)))
+
     def write_ort_cache(self, path: str | os.PathLike) -> Path:
         """Write an ORT calibration cache: ``quantize_static(..., calibration_data_reader=None,
         calibration_cache_path=path)`` (default ``calibrate_method=MinMax``) then uses these ranges."""
@@ -134,10 +141,31 @@ def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [value for value in model.graph.input if value.name not in initializers]
 
 
+_INLINE_BYTES = 1024  # initializers up to this size keep their data for shape inference (shape tensors)
+
+
+def _without_data(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """``tensor``, its data over ``_INLINE_BYTES`` replaced by a reference to a file that does not
+    exist (as :func:`kenosis_rewrite._io.graph_only_proto` writes it): shape inference reads only its
+    type and dims."""
+    if len(tensor.raw_data) <= _INLINE_BYTES:
+        return tensor
+    light = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
+                             data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", _io.GRAPH_ONLY_LOCATION), ("offset", "0"), ("length", str(len(tensor.raw_data)))):
+        light.external_data.add(key=key, value=value)
+    return light
+
+
 def _with_input_shapes(model: onnx.ModelProto, feed: Mapping[str, np.ndarray] | None) -> onnx.ModelProto:
-    """A copy whose graph inputs have the shapes of ``feed``, so shape inference resolves dynamic dims."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    """A copy of ``model`` for shape inference: its graph inputs have the shapes of ``feed`` (so dynamic
+    dims resolve), its large initializers no data (:func:`_without_data`; not copied, not serialised)."""
+    graph = model.graph
+    copy = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    copy.graph.name = graph.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(copy.graph, field).extend(getattr(graph, field))
+    copy.graph.initializer.extend(_without_data(tensor) for tensor in graph.initializer)
     if feed is None:
         return copy
     for value in copy.graph.input:
@@ -192,7 +220,7 @@ def _augmented(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     try:
-        return _ort.session(model, _ort.options(None, level="basic"))
+        return _ort.session(model, _ort.options(None, level="basic", spinning=False))
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"ONNX Runtime cannot load the model for calibration: {error}") from None
 
@@ -280,11 +308,14 @@ def collect_histograms(
     max_pass_bytes: int = DEFAULT_PASS_BYTES,
     progress: bool | None = None,
     observe: Observer | None = None,
+    tensors: Collection[str] | None = None,
 ) -> tuple[dict[str, StreamingHistogram], int]:
     """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
 
     ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``: called
-    with each run's tensors by name (split runs: each part, in feed order).
+    with each run's tensors by name (split runs: each part, in feed order). ``tensors``: only these
+    (of those :func:`calibrated_tensors` selects) are exposed and measured; the others stay inside
+    the graph, where onnxruntime may fuse them away.
     """
     model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
     first_pass = _feed_iterable(feeds)
@@ -292,7 +323,11 @@ def collect_histograms(
     first = next(iterator, None)
     if first is None:
         raise CalibrationError("no calibration samples: the feeds are empty")
-    groups = _groups(calibrated_tensors(model, first), max_pass_bytes)
+    selected = calibrated_tensors(model, first)
+    if tensors is not None:
+        wanted = set(tensors)
+        selected = {name: size for name, size in selected.items() if name in wanted}
+    groups = _groups(selected, max_pass_bytes)
     if len(groups) > 1 and not _reiterable(feeds):
         groups = [[name for group in groups for name in group]]  # one pass is all a generator allows
     histograms: dict[str, StreamingHistogram] = {}
@@ -333,6 +368,7 @@ def collect_ranges(
     max_pass_bytes: int = DEFAULT_PASS_BYTES,
     serialised: bool = False,
     observe: Observer | None = None,
+    tensors: Collection[str] | None = None,
 ) -> TensorRanges:
     """Per-tensor ``(lo, hi)`` ranges of every float tensor of ``float_model`` over ``feeds``.
 
@@ -343,10 +379,13 @@ def collect_ranges(
     result is written there. The cache does not know the feeds: use a new file for new data.
     ``serialised``: ``float_model`` is a ModelProto that onnx_ir serialised (quantize()'s), used as it
     is: loading and serialising it again would give the same proto. ``observe``: as in
-    :func:`collect_histograms` (not called when the ranges come from the cache).
+    :func:`collect_histograms` (not called when the ranges come from the cache). ``tensors``: only
+    these, as in :func:`collect_histograms` (not with ``cache``: a ranges file holds every tensor).
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
+    if cache is not None and tensors is not None:
+        raise ValueError("a calibration cache holds the ranges of every tensor: pass tensors= or cache=, not both")
     model = float_model if serialised else _float_proto(float_model)
     digest = model_hash(model)
     used_percentile = percentile if method == "percentile" else None
@@ -359,7 +398,8 @@ def collect_ranges(
             if (cached.model_sha256, cached.method, cached.percentile) == (digest, method, used_percentile):
                 return cached
     histograms, samples = collect_histograms(model, feeds, histogram=method != "minmax", bins=bins,
-                                             max_pass_bytes=max_pass_bytes, progress=progress, observe=observe)
+                                             max_pass_bytes=max_pass_bytes, progress=progress, observe=observe,
+                                             tensors=tensors)
     ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
     result = TensorRanges(ranges, method, used_percentile, samples, digest)
     if cache_path is not None:
@@ -371,24 +411,27 @@ def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, se
                          **quantize_static_kwargs) -> onnx.ModelProto:
     """``onnxruntime.quantization.quantize_static`` (QDQ by default) using precomputed ``ranges``.
 
-    The ranges go in through ORT's own calibration cache (``calibration_cache_path``), so no
+    The ranges go in as ORT's own calibration cache (``calibration_cache_path``), so no
     calibration inference runs inside quantize_static; per-channel weight parameters are computed a
-    tensor at a time (:mod:`kenosis_rewrite.calibration.ort_static`, the same model). ``serialised``: as in :func:`collect_ranges`.
-    Any other keyword goes to quantize_static.
+    tensor at a time (:mod:`kenosis_rewrite.calibration.ort_static`, the same model). Where
+    ``ort_static`` handles the arguments, the model and the cache stay in memory (the same model as
+    through files). ``serialised``: as in :func:`collect_ranges`. Any other keyword goes to quantize_static.
     """
     import tempfile
 
     from onnxruntime.quantization import CalibrationMethod, QuantFormat
 
-    from kenosis_rewrite.calibration.ort_static import quantize_static_qdq
+    from kenosis_rewrite.calibration import ort_static
 
     if quantize_static_kwargs.get("calibrate_method", CalibrationMethod.MinMax) != CalibrationMethod.MinMax:
         raise ValueError("precomputed ranges enter quantize_static as a MinMax cache; drop calibrate_method")
     quantize_static_kwargs.setdefault("quant_format", QuantFormat.QDQ)
     model = float_model if serialised else _float_proto(float_model)
+    if ort_static.handles(**quantize_static_kwargs):
+        return ort_static.quantize_static_qdq_proto(model, ranges.to_cached_tensors_data(), **quantize_static_kwargs)
     with tempfile.TemporaryDirectory() as tmp:
         source, target, cache = (os.path.join(tmp, f) for f in ("float.onnx", "qdq.onnx", "ranges.json"))
         onnx.save(model, source)
         ranges.write_ort_cache(cache)
-        quantize_static_qdq(source, target, cache, **quantize_static_kwargs)
+        ort_static.quantize_static_qdq(source, target, cache, **quantize_static_kwargs)
         return onnx.load(target)

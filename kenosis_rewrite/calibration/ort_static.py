@@ -29,6 +29,7 @@ from onnxruntime.quantization import qdq_quantizer
 from onnxruntime.quantization.calibrate import load_tensors_data
 from onnxruntime.quantization.quant_utils import (
     ONNX_TYPE_TO_NP_TYPE,
+    add_infer_metadata,
     TENSOR_NAME_QUANT_SUFFIX,
     get_qmin_qmax_for_qType,
     load_model_with_shape_infer,
@@ -37,7 +38,8 @@ from onnxruntime.quantization.quant_utils import (
 )
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-__all__ = ["ChannelVectorisedQDQQuantizer", "channel_quant_params", "quantize_channels", "quantize_static_qdq"]
+__all__ = ["ChannelVectorisedQDQQuantizer", "channel_quant_params", "handles", "quantize_channels", "quantize_static_qdq",
+           "quantize_static_qdq_proto"]
 
 _VECTORISED_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
 _RANGE_OVERRIDES = ("rmin", "rmax")
@@ -151,6 +153,37 @@ def _handled(quant_format, activation_type, weight_type, calibrate_method, extra
             and hasattr(qdq_quantizer.QDQQuantizer, "_calc_initializer_quant_params"))
 
 
+def _orts_defaults(extra_options, nodes_to_exclude, nodes_to_quantize, op_types_to_quantize):
+    """quantize_static's defaults for its optional arguments."""
+    if not op_types_to_quantize:
+        op_types_to_quantize = list(set(list(QLinearOpsRegistry.keys()) + list(QDQRegistry.keys())))
+    return extra_options or {}, nodes_to_exclude or [], nodes_to_quantize or [], op_types_to_quantize
+
+
+def _quantized(model: onnx.ModelProto, tensors_range, calibrate_method, quant_format, op_types_to_quantize, per_channel,
+               reduce_range, activation_type, weight_type, nodes_to_quantize, nodes_to_exclude, extra_options):
+    """quantize_static's steps after loading the shape-inferred ``model`` and reading the ranges: opset
+    update, argument checks, quantizer; the quantizer's ONNXModel (not yet sorted or saved)."""
+    extra_options, nodes_to_exclude, nodes_to_quantize, op_types_to_quantize = _orts_defaults(
+        extra_options, nodes_to_exclude, nodes_to_quantize, op_types_to_quantize)
+    # the module, not the function onnxruntime.quantization re-exports under the same name
+    check_arguments = importlib.import_module("onnxruntime.quantization.quantize").check_static_quant_arguments
+    updated = update_opset_version(
+        model, weight_type, activation_type,
+        tensor_quant_overrides=extra_options.get("TensorQuantOverrides"), block_size=extra_options.get("BlockSize", 0),
+    )
+    model = updated if updated is not model else model
+    if tensors_range.calibration_method != calibrate_method:
+        raise ValueError(f"calibration cache made with {tensors_range.calibration_method}, not {calibrate_method}")
+    check_arguments(quant_format, activation_type, weight_type)
+    quantizer = ChannelVectorisedQDQQuantizer(
+        model, per_channel, reduce_range, weight_type, activation_type, tensors_range,
+        nodes_to_quantize, nodes_to_exclude, op_types_to_quantize, extra_options,
+    )
+    quantizer.quantize_model()
+    return quantizer.model
+
+
 def quantize_static_qdq(
     model_input: str | os.PathLike,
     model_output: str | os.PathLike,
@@ -177,26 +210,44 @@ def quantize_static_qdq(
                         use_external_data_format=use_external_data_format, calibrate_method=calibrate_method,
                         calibration_providers=calibration_providers, extra_options=extra_options, calibration_cache_path=calibration_cache_path)
         return
-    # the module, not the function onnxruntime.quantization re-exports under the same name
-    check_arguments = importlib.import_module("onnxruntime.quantization.quantize").check_static_quant_arguments
-    extra_options = extra_options or {}
-    nodes_to_exclude = nodes_to_exclude or []
-    nodes_to_quantize = nodes_to_quantize or []
-    if not op_types_to_quantize:
-        op_types_to_quantize = list(set(list(QLinearOpsRegistry.keys()) + list(QDQRegistry.keys())))
     model = load_model_with_shape_infer(Path(model_input))
-    updated = update_opset_version(
-        model, weight_type, activation_type,
-        tensor_quant_overrides=extra_options.get("TensorQuantOverrides"), block_size=extra_options.get("BlockSize", 0),
-    )
-    model = updated if updated is not model else model
-    tensors_range = load_tensors_data(calibration_cache_path)
-    if tensors_range.calibration_method != calibrate_method:
-        raise ValueError(f"calibration cache made with {tensors_range.calibration_method}, not {calibrate_method}")
-    check_arguments(quant_format, activation_type, weight_type)
-    quantizer = ChannelVectorisedQDQQuantizer(
-        model, per_channel, reduce_range, weight_type, activation_type, tensors_range,
-        nodes_to_quantize, nodes_to_exclude, op_types_to_quantize, extra_options,
-    )
-    quantizer.quantize_model()
-    quantizer.model.save_model_to_file(model_output, use_external_data_format)
+    quantized = _quantized(model, load_tensors_data(calibration_cache_path), calibrate_method, quant_format,
+                           op_types_to_quantize, per_channel, reduce_range, activation_type, weight_type,
+                           nodes_to_quantize, nodes_to_exclude, extra_options)
+    quantized.save_model_to_file(model_output, use_external_data_format)
+
+
+def handles(quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod.MinMax, extra_options=None, use_external_data_format=False, **_) -> bool:
+    """Whether :func:`quantize_static_qdq_proto` takes these quantize_static arguments (otherwise only
+    the file-based :func:`quantize_static_qdq` does, through quantize_static itself)."""
+    return not use_external_data_format and _handled(quant_format, activation_type, weight_type, calibrate_method, extra_options)
+
+
+def quantize_static_qdq_proto(
+    model: onnx.ModelProto,
+    tensors_range,
+    quant_format=QuantFormat.QDQ,
+    op_types_to_quantize=None,
+    per_channel=False,
+    reduce_range=False,
+    activation_type=QuantType.QInt8,
+    weight_type=QuantType.QInt8,
+    nodes_to_quantize=None,
+    nodes_to_exclude=None,
+    calibrate_method=CalibrationMethod.MinMax,
+    calibration_providers=None,
+    extra_options=None,
+) -> onnx.ModelProto:
+    """:func:`quantize_static_qdq` in memory, for arguments it :func:`handles`: ``model`` (not
+    changed) and ranges (ORT's ``TensorsData``) in, the quantized model out; the same model as through
+    files (``quantize_static``'s load with shape inference and save, without the disk: shape inference
+    on the proto, ORT's inference metadata added, the graph sorted as its save sorts it)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    add_infer_metadata(inferred)
+    quantized = _quantized(inferred, tensors_range, calibrate_method, quant_format, op_types_to_quantize, per_channel,
+                           reduce_range, activation_type, weight_type, nodes_to_quantize, nodes_to_exclude, extra_options)
+    quantized.topological_sort()
+    for initializer in quantized.model.graph.initializer:
+        quantized._check_init(initializer, "end")  # what its save checks (float8 NaNs)
+    return quantized.model

@@ -13,7 +13,7 @@ from onnxruntime.quantization.quant_utils import compute_data_quant_params
 
 from kenosis_rewrite import calibration as calib, toy_models
 from kenosis_rewrite.quantize import per_channel_overrides, quantize_static_options
-from kenosis_rewrite.calibration.ort_static import channel_quant_params, quantize_static_qdq
+from kenosis_rewrite.calibration.ort_static import channel_quant_params, quantize_static_qdq, quantize_static_qdq_proto
 
 
 @pytest.mark.parametrize("quant_type", [onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16])
@@ -35,8 +35,12 @@ def test_channel_parameters_are_orts_channel_by_channel(quant_type, reduce_range
 
 
 def _both(model: onnx.ModelProto, **options) -> tuple[bytes, bytes]:
+    """quantize_static's model and ours, through files; ours in memory must be the same."""
     feeds = toy_models.random_feeds(model, 3)
     ranges = calib.collect_ranges(model, feeds, "minmax", progress=False)
+    before = model.SerializeToString()
+    in_memory = quantize_static_qdq_proto(model, ranges.to_cached_tensors_data(), **options).SerializeToString()
+    assert model.SerializeToString() == before
     with tempfile.TemporaryDirectory() as tmp:
         source, cache = os.path.join(tmp, "float.onnx"), os.path.join(tmp, "ranges.json")
         onnx.save(model, source)
@@ -49,6 +53,7 @@ def _both(model: onnx.ModelProto, **options) -> tuple[bytes, bytes]:
             else:
                 quantizer(source, target, None, calibration_cache_path=cache, **options)
             outputs.append(onnx.load(target).SerializeToString())
+    assert in_memory == outputs[1]
     return outputs[0], outputs[1]
 
 
