@@ -147,6 +147,20 @@ def quant_params(node: ir.Node, domains: tuple[str, ...] = DEFAULT_DOMAINS) -> Q
     )
 
 
+def per_output_column(params: QuantParams, weight_shape: tuple[int, ...], output_axis: int) -> bool:
+    """Whether a 2-D weight's parameters are per tensor or per ``output_axis`` entry (its columns as
+    the MatMul/Gemm reads it): what MatMulInteger's and MatMulIntegerToFloat's B parameters take."""
+    if params.block_size:
+        return False
+    return params.is_per_tensor or (params.axis % len(weight_shape) == output_axis
+                                    and params.scale.size == weight_shape[output_axis])
+
+
+def column_params(values: np.ndarray, params: QuantParams) -> np.ndarray:
+    """A per-tensor parameter as a scalar, a per-column one as a vector (MatMulInteger's shapes)."""
+    return values.reshape(() if params.is_per_tensor else -1)
+
+
 def integer_tensor(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tensor:
     """An ir.Tensor of integer quantized type ``dtype`` holding ``values`` (already in range)."""
     lo, hi = INTEGER_RANGES[dtype]

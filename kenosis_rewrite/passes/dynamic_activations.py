@@ -66,13 +66,13 @@ def _weight(node: ir.Node, w_dq: ir.Node, params: _qdq.QuantParams) -> np.ndarra
         return "the weight is not a constant 2-D matrix"
     transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
     output_axis = 0 if transposed else 1
-    if params.block_size or not (params.is_per_tensor or (params.axis % 2 == output_axis and params.scale.size == codes.shape[output_axis])):
+    if not _qdq.per_output_column(params, codes.shape, output_axis):
         return "the weight is not quantized per tensor or per output column"
     return np.ascontiguousarray(codes.T) if transposed else codes
 
 
-def _refusal(node: ir.Node) -> str | None:
-    """Why ``node`` keeps its calibrated input range, or None."""
+def _weight_or_refusal(node: ir.Node) -> np.ndarray | str:
+    """The weight codes as ``[K, N]`` when ``node`` can take a run-time input range, else why it keeps its calibrated one."""
     x_dq, w_dq = (v.producer() if v is not None else None for v in node.inputs[:2])
     if not _qdq.is_dequantize(w_dq):
         return "the weight is not dequantized"
@@ -92,11 +92,7 @@ def _refusal(node: ir.Node) -> str | None:
         return "not float32"
     if x_dq.attributes.get_int("output_dtype", 0) or w_dq.attributes.get_int("output_dtype", 0):
         return "a DequantizeLinear with an output_dtype attribute"
-    gemm = _gemm_refusal(node)
-    if gemm:
-        return gemm
-    weight = _weight(node, w_dq, w_params)
-    return weight if isinstance(weight, str) else None
+    return _gemm_refusal(node) or _weight(node, w_dq, w_params)
 
 
 class DynamicActivationsPass(ReportingPass):
@@ -114,20 +110,20 @@ class DynamicActivationsPass(ReportingPass):
         for node in list(graph):
             if node.domain not in _qdq.DEFAULT_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
                 continue
-            refusal = _refusal(node)
+            codes = _weight_or_refusal(node)
             where = node.name or node.op_type
-            if refusal:
-                if refusal not in ("the weight is not dequantized", "the input is not a Q -> DQ pair"):
-                    self.refused(where, refusal)
+            if isinstance(codes, str):
+                if codes not in ("the weight is not dequantized", "the input is not a Q -> DQ pair"):
+                    self.refused(where, codes)
                 continue
-            self._rewrite(graph, node, dynamic, names)
+            self._rewrite(graph, node, codes, dynamic, names)
             self.changed(where, "input quantized with its own range on every run (DynamicQuantizeLinear), "
                                 "not a calibrated one", exact=False)
             modified = True
         remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified)
 
-    def _rewrite(self, graph: ir.Graph, node: ir.Node, dynamic: dict, names: _qdq.NameAllocator) -> None:
+    def _rewrite(self, graph: ir.Graph, node: ir.Node, codes: np.ndarray, dynamic: dict, names: _qdq.NameAllocator) -> None:
         x_dq, w_dq = node.inputs[0].producer(), node.inputs[1].producer()
         source = x_dq.inputs[0].producer().inputs[0]
         w_params = _qdq.quant_params(w_dq)
@@ -148,9 +144,9 @@ class DynamicActivationsPass(ReportingPass):
             return _qdq.add_initializer(graph, ir.tensor(values, name=name), name)
 
         transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-        weight = constant(_weight(node, w_dq, w_params), "weight_kn") if transposed else w_dq.inputs[0]
-        w_zero = constant(w_params.zero_point.reshape(-1 if not w_params.is_per_tensor else ()), "weight_zero_point")
-        w_scale = constant(w_params.scale.reshape(-1 if not w_params.is_per_tensor else ()).astype(np.float32), "weight_scale")
+        weight = constant(codes, "weight_kn") if transposed else w_dq.inputs[0]
+        w_zero = constant(_qdq.column_params(w_params.zero_point, w_params), "weight_zero_point")
+        w_scale = constant(_qdq.column_params(w_params.scale, w_params), "weight_scale")
         integer = ir.node("MatMulInteger", [x_q, weight, x_zero, w_zero], name=names.fresh(f"{base}_integer"))
         cast = ir.node("Cast", integer.outputs, attributes={"to": ir.DataType.FLOAT}, name=names.fresh(f"{base}_cast"))
         scales = ir.node("Mul", [x_scale, w_scale], name=names.fresh(f"{base}_scales"))

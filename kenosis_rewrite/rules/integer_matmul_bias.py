@@ -64,7 +64,7 @@ def _refusal(x_dq: ir.Node | None, w_dq: ir.Node | None, bias: ir.Value, product
     if weight is None or weight.ndim != 2:
         return "the weight is not a constant 2-D matrix"
     columns = weight.shape[1]
-    if w_params.block_size or not (w_params.is_per_tensor or (w_params.axis in (1, -1) and w_params.scale.size == columns)):
+    if not _qdq.per_output_column(w_params, weight.shape, 1):
         return "the weight is not quantized per tensor or per output column"
     bias_array = _qdq.const_array(bias)
     if bias_array is None or bias_array.dtype != np.float32:
@@ -120,13 +120,9 @@ class IntegerMatMulBias(ReportingRule):
         graph = matmul.graph
         base = matmul.name or "matmul"
 
-        def constant(values, dtype, suffix):
-            name = self.fresh_name(graph, f"{base}_{suffix}")
-            return op.initializer(ir.tensor(np.asarray(values, dtype=dtype), name=name), name=name)
-
+        constant = _qdq.constant_maker(op, lambda name: self.fresh_name(graph, name), base)
         x_zero = constant(x_params.zero_point.reshape(()), x_params.dtype.numpy(), "x_zero_point")
-        w_zero = constant(w_params.zero_point.reshape(-1) if not w_params.is_per_tensor else w_params.zero_point.reshape(()),
-                          w_params.dtype.numpy(), "w_zero_point")
+        w_zero = constant(_qdq.column_params(w_params.zero_point, w_params), w_params.dtype.numpy(), "w_zero_point")
         accumulated = op.MatMulInteger(x_dq.inputs[0], w_dq.inputs[0], x_zero, w_zero)
         # DQ(1; sx) == sx exactly, and keeps ORT's constant folding off the scale product (see
         # docstring); one per activation scale: the projections reading one tensor share it
