@@ -117,7 +117,10 @@ class FixPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         target = get_target(self.target)
-        first = [QuantizeWeightedOutputsPass(self.output_ranges, self.report)] if self.output_ranges else []
+        # weighted outputs with no quantizer get one from measured ranges or, without them, from the
+        # bounds a saturating activation's quantizer puts on them (passes.output_quantizers)
+        first = ([QuantizeWeightedOutputsPass(self.output_ranges, self.report)]
+                 if self.output_ranges or target.facts.quantize_weighted_outputs else [])
         steps = ir.passes.Sequential(
             *self._enabled(first + target.pre_passes(self.report)),
             common_passes.RemoveUnusedNodesPass(),  # rules count consumers: dead readers must go first
@@ -206,14 +209,16 @@ def _output_ranges(before: onnx.ModelProto | None, target: str, calibration: lis
     """Ranges of weighted-op outputs that lack a quantizer, measured on the input model (ORT targets)."""
     if before is None or not get_target(target).facts.quantize_weighted_outputs:
         return {}
-    count = len(output_quantizers.candidates(ir.serde.deserialize_model(before).graph))
-    if not count:
+    sites = output_quantizers.sites(ir.serde.deserialize_model(before).graph)
+    if not sites:
         return {}
     if not calibration:  # a range is a fact about data: no guessing it from synthetic inputs here
-        report_notes.append(
-            f"{output_quantizers.RULE_NAME}: {count} Conv/MatMul/Gemm output(s) reach no quantizer, so ORT runs "
-            "them in float; pass calibration= feeds to give them measured output quantizers"
-        )
+        unbounded = len({site.op.name for site in sites if output_quantizers.site_range(site, None) is None})
+        if unbounded:
+            report_notes.append(
+                f"{output_quantizers.RULE_NAME}: {unbounded} Conv/MatMul/Gemm output(s) reach no quantizer, so ORT "
+                "runs them in float; pass calibration= feeds to give them measured output quantizers"
+            )
         return {}
     try:
         ranges = output_quantizers.measure_output_ranges(before, calibration[:8])

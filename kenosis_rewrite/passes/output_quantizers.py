@@ -15,21 +15,36 @@ tensors with no quantizer after it (NNCF's YOLOv8 C2f blocks), the Concat output
 which ORT runs as QLinearConcat feeding the integer op; unless all its inputs share one set of
 parameters, seen through MaxPools (YOLOv8's SPPF): ``move-dq-forward`` then moves the DQ past the
 MaxPools and the Concat, exactly, and the Concat needs no quantizer.
-with ``(s, z)`` the asymmetric grid of the data input's type over ``[min(lo, 0), max(hi, 0)]``, the
-range the op's output took on calibration feeds (the caller's, else synthetic ones), measured with
-ONNX Runtime on the input model (:func:`measure_output_ranges`).
+with ``(s, z)`` the asymmetric grid of the data input's type over ``[min(lo, 0), max(hi, 0)]``, where
+``[lo, hi]`` is
+
+* the range the op's output took on the caller's calibration feeds, measured with ONNX Runtime on
+  the input model (:func:`measure_output_ranges`), clipped to the bounds below when they apply;
+* without calibration, the bounds the quantizer after a saturating activation puts on its input
+  (:func:`saturation_bounds`): the op's output read only by a HardSwish (one op, or the arithmetic
+  ``x * clip(x + 3, 0, 6) / 6`` of a Paddle export) or a HardSigmoid whose output only quantizers
+  with one set of per-tensor parameters read (NNCF's ``Conv -> HardSwish -> Q``). Outside
+  them every value gives that quantizer the same code as the bound itself: HardSwish is 0 below
+  -3 (and <= 0 below 0, which a quantizer whose range starts at 0 clamps to 0) and at least the
+  quantizer's top ``hi`` above ``max(hi, root of x(x+3)/6 = hi)``; HardSigmoid is constant beyond
+  ``(0 - beta) / alpha`` and ``(1 - beta) / alpha`` and meets the quantizer's range at
+  ``(lo - beta) / alpha`` and ``(hi - beta) / alpha``. So clipping there is exact; a range is a
+  fact about data, and this one is a fact about the graph.
 
 Why: ORT CPU fuses ``DQ -> Conv -> Q`` (optionally with a Relu/Clip before the Q) into QLinearConv,
 and the same for MatMul/Gemm; without a Q after the op it runs the op in float on dequantized
 tensors. OpenVINO fuses Conv with the activation after it, so NNCF places no Q there; on ORT CPU a
 PP-LCNet quantized by NNCF 3.4 runs every Conv in float (explain(): 0% integer MACs).
 
-Exactness: approximate. One rounding step more, at most half a step of the new grid per element
-inside the calibrated range, and a clamp at its bounds. ``fix()``'s run-time guard measures the
+Exactness: approximate. One rounding step more: at most one step ``s`` of the new grid per element
+inside the range (half a step of rounding, and up to half a step where the zero point's rounding
+moves the grid's end inside the range), and a clamp at its bounds, exact for the saturation
+bounds; through the activation the downstream quantizer's input moves by at most ``L * s`` (``L``
+its slope: HardSwish <= 1.5 on its range, HardSigmoid ``alpha``). ``fix()``'s run-time guard measures the
 result against the input and undoes the pass when it costs more than its tolerance.
 
 Left alone: an op whose output already reaches a Q (directly or through a Relu/Clip), is a graph
-output, or has no measured range; ops whose data input is not a per-tensor 8-bit DQ.
+output, or has neither a measured range nor saturation bounds; ops whose data input is not a per-tensor 8-bit DQ.
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ from kenosis_rewrite.passes.qdq_propagation import commutes_with_qdq
 
 RULE_NAME = "quantize-weighted-outputs"
 _PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
+_HARDSWISH_ZERO_BELOW = -3.0  # HardSwish(x) = x * clip(x / 6 + 1 / 2, 0, 1) = 0 for x <= -3
 
 
 def _dequantized_params(value: ir.Value | None) -> _qdq.QuantParams | None:
@@ -148,6 +164,139 @@ def sites(graph: ir.Graph) -> list[Site]:
     return found
 
 
+def _scalar(value: ir.Value | None, expected: float) -> bool:
+    array = _qdq.const_array(value) if value is not None else None
+    return array is not None and array.size == 1 and bool(np.isclose(float(array.reshape(-1)[0]), expected, rtol=1e-4))
+
+
+def _only_use(value: ir.Value, op_type: str) -> ir.Node | None:
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    node = uses[0][0]
+    return node if node.op_type == op_type and node.domain in _qdq.DEFAULT_DOMAINS else None
+
+
+def _decomposed_hardswish(value: ir.Value) -> ir.Value | None:
+    """The output of ``x * clip(x + 3, 0, 6) / 6`` (the Div before or after the Mul) or of
+    ``x * HardSigmoid(x; 1/6, 1/2)`` when the readers of ``x = value`` compute exactly that."""
+    users = {node.op_type: node for node, _ in value.uses()}
+    if len(users) != 2 or len(list(value.uses())) != 2 or "Mul" not in users:
+        return None
+    mul = users["Mul"]
+    if "HardSigmoid" in users:
+        gate = users["HardSigmoid"]
+        if not (np.isclose(gate.attributes.get_float("alpha", 0.2), 1 / 6) and np.isclose(gate.attributes.get_float("beta", 0.5), 0.5)):
+            return None
+        gate_output = gate.outputs[0]
+    elif "Add" in users:
+        add = users["Add"]
+        if not _scalar(add.inputs[1] if add.inputs[0] is value else add.inputs[0], 3.0):
+            return None
+        clip = _only_use(add.outputs[0], "Clip")
+        if clip is None or len(clip.inputs) < 3 or not (_scalar(clip.inputs[1], 0.0) and _scalar(clip.inputs[2], 6.0)):
+            return None
+        gate_output = clip.outputs[0]
+        divide = _only_use(gate_output, "Div")
+        if divide is not None:  # clip(x + 3, 0, 6) / 6, then times x
+            if not _scalar(divide.inputs[1], 6.0):
+                return None
+            gate_output = divide.outputs[0]
+    else:
+        return None
+    if {id(v) for v in mul.inputs} != {id(value), id(gate_output)} or _only_use(gate_output, "Mul") is not mul:
+        return None
+    if gate_output.producer().op_type != "Clip":
+        return mul.outputs[0]
+    divide = _only_use(mul.outputs[0], "Div")  # x * clip(x + 3, 0, 6), then / 6
+    return divide.outputs[0] if divide is not None and _scalar(divide.inputs[1], 6.0) else None
+
+
+def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float] | None:
+    """``(kind, output, alpha, beta)`` when the readers of ``value`` compute one saturating
+    activation of it: a HardSwish (one op, or written as arithmetic as Paddle exports it) or a
+    HardSigmoid with ``alpha > 0``."""
+    uses = list(value.uses())
+    if len(uses) == 1 and uses[0][1] == 0 and uses[0][0].domain in _qdq.DEFAULT_DOMAINS:
+        node = uses[0][0]
+        if node.op_type == "HardSwish":
+            return "HardSwish", node.outputs[0], 1 / 6, 0.5
+        if node.op_type == "HardSigmoid":
+            alpha, beta = node.attributes.get_float("alpha", 0.2), node.attributes.get_float("beta", 0.5)
+            return ("HardSigmoid", node.outputs[0], alpha, beta) if alpha > 0 else None
+    output = _decomposed_hardswish(value)
+    return ("HardSwish", output, 1 / 6, 0.5) if output is not None else None
+
+
+def activation_bounds(kind: str, alpha: float, beta: float, lo: float, hi: float) -> tuple[float, float]:
+    """``[a, b]`` such that every ``x`` outside gives the activation a value the range ``[lo, hi]``
+    (``lo <= 0 <= hi``) clamps to what ``clip(x, a, b)`` gives; see the module docstring."""
+    if kind == "HardSwish":
+        low = 0.0 if lo >= 0.0 else _HARDSWISH_ZERO_BELOW
+        # x * (x + 3) / 6 = hi on the increasing branch, or x itself from x = 3 on
+        high = hi if hi >= 3.0 else (-3.0 + float(np.sqrt(9.0 + 24.0 * hi))) / 2.0
+        return low, high
+    return (max(lo, 0.0) - beta) / alpha, (min(hi, 1.0) - beta) / alpha
+
+
+def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
+    """``(a, b, why)`` when ``value`` is read only by a saturating activation whose output only
+    quantizers with one set of per-tensor parameters read: values of ``value`` outside ``[a, b]``
+    give those quantizers the codes of ``a`` and ``b``, so a grid for ``value`` can stop there."""
+    activation = saturating_activation(value)
+    if activation is None:
+        return None
+    kind, output, alpha, beta = activation
+    readers = [user for user, _ in output.uses()]
+    if output.is_graph_output() or not readers or not all(_qdq.is_quantize(user) for user in readers):
+        return None
+    params = [_qdq.quant_params(user) for user in readers]
+    first = params[0]
+    if any(p is None or not p.is_per_tensor or not p.same_as(first) for p in params):
+        return None
+    scale, zero_point = first.scalar_scale, first.scalar_zero_point
+    lo, hi = (first.qmin - zero_point) * scale, (first.qmax - zero_point) * scale
+    low, high = activation_bounds(kind, alpha, beta, lo, hi)
+    if not low < high:
+        return None
+    return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]"
+
+
+def site_range(site: Site, measured: tuple[float, float] | None) -> tuple[float, float, str] | None:
+    """``(lo, hi, source)`` for ``site``: the measured range clipped to the saturation bounds, or the
+    bounds alone without a measurement; None when there is neither."""
+    bounds = saturation_bounds(site.value) if site.kind == "output" else None
+    if bounds is None:
+        return None if measured is None else (measured[0], measured[1], "the measured range")
+    low, high, why = bounds
+    if measured is None:
+        return low, high, f"the bounds of {why}"
+    lo, hi = max(measured[0], low), min(measured[1], high)
+    if not lo < hi:  # every measured value saturates: the bounds alone
+        return low, high, f"the bounds of {why}"
+    return lo, hi, f"the measured range within the bounds of {why}"
+
+
+def covering_grid(lo: float, hi: float, qmin: int, qmax: int) -> tuple[np.float32, int] | None:
+    """``(scale, zero_point)`` of the asymmetric grid over ``[min(lo, 0), max(hi, 0)]`` whose codes
+    reach both ends: the zero point's rounding would otherwise leave up to half a step of one end
+    outside, which clamps values a saturation bound promises to keep."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if not hi > lo:
+        return None
+    scale = (hi - lo) / (qmax - qmin)
+    zero_point = int(np.clip(np.rint(qmin - lo / scale), qmin, qmax))
+    if zero_point < qmax:
+        scale = max(scale, hi / (qmax - zero_point))
+    if zero_point > qmin:
+        scale = max(scale, lo / (qmin - zero_point))
+    scale = np.float32(scale)
+    # float32 rounding must not leave an end outside either
+    while (qmax - zero_point) * float(scale) < hi or (qmin - zero_point) * float(scale) > lo:
+        scale = np.nextafter(scale, np.float32(np.inf))
+    return scale, zero_point
+
+
 def candidates(graph: ir.Graph) -> list[ir.Node]:
     """The weighted ops one of whose tensors :func:`sites` would quantize."""
     return list(dict.fromkeys(site.op for site in sites(graph)))
@@ -188,21 +337,22 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         graph, modified = model.graph, False
         names = _qdq.NameAllocator(graph)  # one scan of the graph for every quantizer inserted
         for site in sites(graph):
-            where = site.op.name or site.op.op_type
-            if site.value.name not in self.ranges:
-                self.refused(where, f"no range measured for its {site.kind} {site.value.name!r}")
+            chosen = site_range(site, self.ranges.get(site.value.name))
+            if chosen is None:
+                where = site.op.name or site.op.op_type
+                self.refused(where, f"no range measured for its {site.kind} {site.value.name!r} (pass calibration= feeds)")
                 continue
-            modified |= self._insert(graph, names, site, *self.ranges[site.value.name])
+            modified |= self._insert(graph, names, site, *chosen)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _insert(self, graph: ir.Graph, names: _qdq.NameAllocator, site: Site, lo: float, hi: float) -> bool:
+    def _insert(self, graph: ir.Graph, names: _qdq.NameAllocator, site: Site, lo: float, hi: float, source: str) -> bool:
         """Q/DQ on ``site`` over ``[lo, hi]`` in its grid type."""
-        lo, hi, like = min(lo, 0.0), max(hi, 0.0), site.like
-        if hi <= lo:
+        like = site.like
+        grid = covering_grid(lo, hi, like.qmin, like.qmax)
+        if grid is None:
             return False
-        levels = like.qmax - like.qmin
-        scale = np.float32((hi - lo) / levels)
-        zero_point = int(np.clip(np.rint(like.qmin - lo / float(scale)), like.qmin, like.qmax))
+        scale, zero_point = grid
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
         producer, output = site.value.producer(), site.value
         base = output.name
         scale_name = names.fresh(f"{base}_output_scale")
@@ -219,5 +369,5 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         for user, index in readers:
             user.replace_input_with(index, dequantize.outputs[0])
         self.changed(site.op.name or site.op.op_type, f"{site.kind} quantizer {like.dtype.name.lower()} s={float(scale):.6g} "
-                     f"zp={zero_point} over the measured range [{lo:.4g}, {hi:.4g}]", exact=False)
+                     f"zp={zero_point} over [{lo:.4g}, {hi:.4g}], {source}", exact=False)
         return True

@@ -10,7 +10,14 @@ import onnx_ir as ir
 
 import kenosis_rewrite
 from kenosis_rewrite import _testing, _timing, fidelity
-from kenosis_rewrite.passes.output_quantizers import RULE_NAME, QuantizeWeightedOutputsPass, candidates, measure_output_ranges
+from kenosis_rewrite.passes.output_quantizers import (
+    RULE_NAME,
+    QuantizeWeightedOutputsPass,
+    activation_bounds,
+    candidates,
+    covering_grid,
+    measure_output_ranges,
+)
 from kenosis_rewrite.report import FixReport
 
 # DQ -> Conv -> BN -> HardSwish -> Q: the Conv has no output quantizer (OpenVINO fuses the activation).
@@ -42,7 +49,21 @@ def _feeds(n: int = 4) -> list[dict]:
     return [{"x": np.random.default_rng(seed).standard_normal((1, 2, 6, 6)).astype(np.float32)} for seed in range(n)]
 
 
-def test_the_quantizer_goes_after_the_bn_with_the_measured_range():
+def _quantizer_of(fixed: onnx.ModelProto, name: str) -> tuple[float, int]:
+    q = next(n for n in fixed.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == name)
+    return float(_testing.initializer(fixed, q.input[1])), int(_testing.initializer(fixed, q.input[2]))
+
+
+def _grid(lo: float, hi: float) -> float:
+    return float(covering_grid(lo, hi, 0, 255)[0])
+
+
+# the quantizer after the HardSwish: sy = 0.03, zy = 20 over [-0.6, 7.05]; HardSwish is 0 below -3 and
+# above 3 equals its input, so the bounds for the Conv output are [-3, 7.05]
+BOUNDS = (-3.0, 235 * 0.03)
+
+
+def test_the_quantizer_goes_after_the_bn_with_the_measured_range_within_the_bounds():
     proto = _model()
     model = ir.serde.deserialize_model(proto)
     assert [n.op_type for n in candidates(model.graph)] == ["Conv"]
@@ -53,15 +74,13 @@ def test_the_quantizer_goes_after_the_bn_with_the_measured_range():
     fixed = ir.serde.serialize_model(model)
     onnx.checker.check_model(fixed, full_check=True)
     assert report.change_counts() == {RULE_NAME: 1}
-    q = next(n for n in fixed.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "n")
-    lo, hi = min(ranges["n"][0], 0.0), max(ranges["n"][1], 0.0)
-    assert float(_testing.initializer(fixed, q.input[1])) == np.float32((hi - lo) / 255)
-    # the stated bound: inside the measured range, one rounding of at most half a step more
-    scale = (hi - lo) / 255
+    lo, hi = max(ranges["n"][0], BOUNDS[0]), min(ranges["n"][1], BOUNDS[1])
+    scale = _grid(lo, hi)
+    assert _quantizer_of(fixed, "n")[0] == np.float32(scale)
+    # the stated bound: one step of the new grid at most, times HardSwish's slope, + one output step
     for feed in _feeds():
         before, after = _testing.outputs(proto, feed, optimized=False)[0], _testing.outputs(fixed, feed, optimized=False)[0]
-        hardswish_slope = 1.5  # |d HardSwish / dx| <= 1.5
-        assert np.max(np.abs(after - before)) <= hardswish_slope * scale / 2 + 0.03 + 1e-6  # + one output step
+        assert np.max(np.abs(after - before)) <= 1.5 * scale + 0.03 + 1e-6
 
 
 def test_fix_with_calibration_runs_the_conv_as_an_integer_kernel_and_bn_is_folded():
@@ -80,10 +99,76 @@ def test_fix_with_calibration_runs_the_conv_as_an_integer_kernel_and_bn_is_folde
         assert guarded.SerializeToString() == fixed.SerializeToString()
 
 
-def test_without_calibration_fix_says_what_it_needs_and_changes_nothing_there():
-    fixed, report = kenosis_rewrite.fix(_model(), return_report=True)
+def test_without_calibration_the_hardswish_quantizer_bounds_give_the_range():
+    proto = _model()
+    fixed, report = kenosis_rewrite.fix(proto, return_report=True, verify=False)
+    assert report.change_counts().get(RULE_NAME) == 1, report.summary()
+    assert not any("pass calibration=" in note for note in report.notes)
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
+    scale, zero_point = _quantizer_of(fixed, "n")
+    assert scale == np.float32(_grid(*BOUNDS)) and zero_point == covering_grid(*BOUNDS, 0, 255)[1]
+    assert (255 - zero_point) * scale >= BOUNDS[1] and -zero_point * scale <= BOUNDS[0]
+    # inputs far beyond the bounds: what saturates the HardSwish's quantizer still does, exactly
+    wide = [{"x": 4.0 * f["x"]} for f in _feeds()]
+    for feed in _feeds() + wide:
+        before, after = _testing.outputs(proto, feed, optimized=False)[0], _testing.outputs(fixed, feed, optimized=False)[0]
+        assert np.max(np.abs(after - before)) <= 1.5 * scale + 0.03 + 1e-6
+
+
+def _hardswish_codes(scale_in, zero_in, lo_out, scale_out, zero_out, x):
+    """Codes of the quantizer after HardSwish, with and without a quantizer (scale_in, zero_in) before it."""
+    def q(v, s, z):
+        return np.clip(np.rint(v / s) + z, 0, 255)
+    def hardswish(v):
+        return v * np.clip(v / 6 + 0.5, 0, 1)
+    rounded = (q(x, scale_in, zero_in) - zero_in) * scale_in
+    return q(hardswish(x), scale_out, zero_out), q(hardswish(rounded), scale_out, zero_out)
+
+
+def test_hardswish_bounds_are_exact_in_saturation_and_one_step_inside_for_any_output_quantizer():
+    """Property: for output quantizers of every zero point and scale, the grid over the bounds moves
+    the HardSwish's output codes by at most 1.5 * s_in / s_out + 1, and not at all half a step beyond the bounds."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        scale_out, zero_out = float(rng.uniform(0.002, 0.1)), int(rng.integers(0, 256))
+        lo, hi = (0 - zero_out) * scale_out, (255 - zero_out) * scale_out
+        a, b = activation_bounds("HardSwish", 1 / 6, 0.5, lo, hi)
+        scale_in, zero_in = covering_grid(a, b, 0, 255)
+        scale_in = float(scale_in)
+        x = rng.uniform(a - 20, b + 20, 4000)
+        exact, with_grid = _hardswish_codes(scale_in, zero_in, lo, scale_out, zero_out, x)
+        assert np.max(np.abs(exact - with_grid)) <= 1.5 * scale_in / scale_out + 1
+        beyond = (x < min(a, 0.0) - scale_in / 2) | (x > b + scale_in / 2)
+        np.testing.assert_array_equal(exact[beyond], with_grid[beyond])
+
+
+def test_hardsigmoid_bounds_are_where_it_meets_its_quantizer_range():
+    assert activation_bounds("HardSigmoid", 0.25, 0.5, 0.0, 1.0) == (-2.0, 2.0)
+    assert activation_bounds("HardSigmoid", 0.25, 0.5, 0.0, 0.75) == (-2.0, 1.0)  # saturates the quantizer from 0.75 on
+
+
+SILU = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 2, 6, 6] x) => (float[1, 3, 6, 6] y)
+<float sx = {0.02}, uint8 zx = {128}, int8[3, 2, 1, 1] wq = {5, -3, 7, 1, -2, 4}, float ws = {0.05}, int8 wz = {0},
+ float sy = {0.03}, uint8 zy = {20}>
+{
+  q = QuantizeLinear(x, sx, zx)
+  d = DequantizeLinear(q, sx, zx)
+  w = DequantizeLinear(wq, ws, wz)
+  c = Conv(d, w)
+  e = LeakyRelu(c)
+  qy = QuantizeLinear(e, sy, zy)
+  y = DequantizeLinear(qy, sy, zy)
+}
+"""
+
+
+def test_without_calibration_an_unbounded_activation_is_left_with_a_note():
+    fixed, report = kenosis_rewrite.fix(onnx.parser.parse_model(SILU), return_report=True)
     assert RULE_NAME not in report.change_counts()
     assert any("pass calibration=" in note for note in report.notes)
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 0.0
 
 
 # NNCF's YOLOv8 C2f form: two dequantized tensors concatenated, read by a Conv; nothing quantizes the Concat.
@@ -178,3 +263,52 @@ def test_an_sppf_concat_of_one_dequantized_tensor_needs_no_quantizer_of_its_own(
     optimized = _testing.ort_optimized_op_types(fixed)
     assert optimized["QLinearConv"] == 1 and optimized["Conv"] == 0 and optimized["QLinearConcat"] == 0
     assert _testing.graph_cosine(proto, fixed, feeds) > 0.999
+
+
+# NNCF's output of a Paddle export (opset 13, no HardSwish op): x * clip(x + 3, 0, 6) / 6 after the Conv
+PADDLE_HARDSWISH = """
+<ir_version: 8, opset_import: ["" : 13]>
+g (float[1, 2, 6, 6] x) => (float[1, 3, 6, 6] y)
+<float sx = {0.02}, uint8 zx = {128}, int8[3, 2, 3, 3] wq = {%s}, float[3] ws = {0.01, 0.02, 0.015},
+ int8[3] wz = {0, 0, 0}, float three = {3.0}, float zero = {0.0}, float six = {6.0}, float sy = {0.03}, uint8 zy = {20}>
+{
+  q = QuantizeLinear(x, sx, zx)
+  d = DequantizeLinear(q, sx, zx)
+  w = DequantizeLinear <axis: int = 0> (wq, ws, wz)
+  c = Conv <pads: ints = [1, 1, 1, 1]> (d, w)
+  a = Add(c, three)
+  k = Clip(a, zero, six)
+  %s
+  qy = QuantizeLinear(h, sy, zy)
+  y = DequantizeLinear(qy, sy, zy)
+}
+"""
+DIVIDE_LAST = "m = Mul(c, k)\n  h = Div(m, six)"
+DIVIDE_FIRST = "g6 = Div(k, six)\n  h = Mul(g6, c)"
+
+
+def test_a_hardswish_written_as_arithmetic_bounds_the_conv_output_in_either_order():
+    weights = ", ".join(str(int(v)) for v in np.random.default_rng(0).integers(-127, 128, 54))
+    for body in (DIVIDE_LAST, DIVIDE_FIRST):
+        proto = onnx.parser.parse_model(PADDLE_HARDSWISH % (weights, body))
+        assert kenosis_rewrite.explain(proto).integer_mac_fraction == 0.0
+        fixed, report = kenosis_rewrite.fix(proto, return_report=True, verify=False)
+        assert report.change_counts().get(RULE_NAME) == 1, report.summary()
+        assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
+        scale = _quantizer_of(fixed, "c")[0]
+        assert scale == np.float32(_grid(*BOUNDS))
+        wide = [{"x": 4.0 * f["x"]} for f in _feeds()]
+        for feed in _feeds() + wide:
+            before = _testing.outputs(proto, feed, optimized=False)[0]
+            after = _testing.outputs(fixed, feed, optimized=False)[0]
+            assert np.max(np.abs(after - before)) <= 1.5 * scale + 0.03 + 1e-6
+
+
+def test_arithmetic_that_is_not_a_hardswish_gets_no_bounds():
+    weights = ", ".join(str(int(v)) for v in np.random.default_rng(0).integers(-127, 128, 54))
+    # x * clip(x + 3, 0, 6) / 5 is no HardSwish: its quantizer bounds nothing known
+    proto = onnx.parser.parse_model(PADDLE_HARDSWISH.replace("six = {6.0}", "six = {6.0}, five = {5.0}")
+                                    % (weights, "m = Mul(c, k)\n  h = Div(m, five)"))
+    fixed, report = kenosis_rewrite.fix(proto, return_report=True)
+    assert RULE_NAME not in report.change_counts()
+    assert any("pass calibration=" in note for note in report.notes)
