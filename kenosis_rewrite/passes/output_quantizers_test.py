@@ -307,7 +307,7 @@ def test_a_hardswish_written_as_arithmetic_bounds_the_conv_output_in_either_orde
 def test_arithmetic_that_is_not_a_hardswish_gets_no_bounds():
     weights = ", ".join(str(int(v)) for v in np.random.default_rng(0).integers(-127, 128, 54))
     # x * clip(x + 3, 0, 6) / 5 is no HardSwish: its quantizer bounds nothing known
-    proto = onnx.parser.parse_model(PADDLE_HARDSWISH.replace("six = {6.0}", "six = {6.0}, five = {5.0}")
+    proto = onnx.parser.parse_model(PADDLE_HARDSWISH.replace("six = {6.0}", "six = {6.0}, float five = {5.0}")
                                     % (weights, "m = Mul(c, k)\n  h = Div(m, five)"))
     fixed, report = kenosis_rewrite.fix(proto, return_report=True)
     assert RULE_NAME not in report.change_counts()
