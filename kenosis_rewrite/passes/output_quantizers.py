@@ -174,7 +174,7 @@ def _only_use(value: ir.Value, op_type: str) -> ir.Node | None:
     if len(uses) != 1 or value.is_graph_output():
         return None
     node = uses[0][0]
-    return node if node.op_type == op_type and node.domain in _qdq.DEFAULT_DOMAINS else None
+    return node if _qdq.is_op(node, op_type) else None
 
 
 def _decomposed_hardswish(value: ir.Value) -> ir.Value | None:
@@ -217,11 +217,11 @@ def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float]
     activation of it: a HardSwish (one op, or written as arithmetic as Paddle exports it) or a
     HardSigmoid with ``alpha > 0``."""
     uses = list(value.uses())
-    if len(uses) == 1 and uses[0][1] == 0 and uses[0][0].domain in _qdq.DEFAULT_DOMAINS:
+    if len(uses) == 1 and uses[0][1] == 0:
         node = uses[0][0]
-        if node.op_type == "HardSwish":
+        if _qdq.is_op(node, "HardSwish"):
             return "HardSwish", node.outputs[0], 1 / 6, 0.5
-        if node.op_type == "HardSigmoid":
+        if _qdq.is_op(node, "HardSigmoid"):
             alpha, beta = node.attributes.get_float("alpha", 0.2), node.attributes.get_float("beta", 0.5)
             return ("HardSigmoid", node.outputs[0], alpha, beta) if alpha > 0 else None
     output = _decomposed_hardswish(value)

@@ -115,7 +115,7 @@ def test_without_calibration_the_hardswish_quantizer_bounds_give_the_range():
         assert np.max(np.abs(after - before)) <= 1.5 * scale + 0.03 + 1e-6
 
 
-def _hardswish_codes(scale_in, zero_in, lo_out, scale_out, zero_out, x):
+def _hardswish_codes(scale_in, zero_in, scale_out, zero_out, x):
     """Codes of the quantizer after HardSwish, with and without a quantizer (scale_in, zero_in) before it."""
     def q(v, s, z):
         return np.clip(np.rint(v / s) + z, 0, 255)
@@ -136,7 +136,7 @@ def test_hardswish_bounds_are_exact_in_saturation_and_one_step_inside_for_any_ou
         scale_in, zero_in = covering_grid(a, b, 0, 255)
         scale_in = float(scale_in)
         x = rng.uniform(a - 20, b + 20, 4000)
-        exact, with_grid = _hardswish_codes(scale_in, zero_in, lo, scale_out, zero_out, x)
+        exact, with_grid = _hardswish_codes(scale_in, zero_in, scale_out, zero_out, x)
         assert np.max(np.abs(exact - with_grid)) <= 1.5 * scale_in / scale_out + 1
         beyond = (x < min(a, 0.0) - scale_in / 2) | (x > b + scale_in / 2)
         np.testing.assert_array_equal(exact[beyond], with_grid[beyond])
