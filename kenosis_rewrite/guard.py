@@ -72,10 +72,13 @@ def _unrounded_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     clamp to the range it represented. Every clamp stays, whether it stands for a deleted
     activation or a calibrated bound, since the graph cannot tell them apart: a rewrite that drops a
     deleted Clip then shows as a systematic difference, one that drops a calibrated bound only on
-    the few values beyond it."""
-    from kenosis_rewrite.passes.dequantize import remove_qdq_pair  # noqa: PLC0415 - avoid an import cycle
+    the few values beyond it. com.microsoft Q/DQ are read as the standard ones they compute (else a
+    contrib-domain input would be its own reference, and the same model in the default domain not)."""
+    from kenosis_rewrite.passes.contrib_qdq import ContribQDQToStandardPass  # noqa: PLC0415 - avoid an import cycle
+    from kenosis_rewrite.passes.dequantize import remove_qdq_pair  # noqa: PLC0415
 
     copy = ir.serde.deserialize_model(model)
+    ContribQDQToStandardPass()(copy)
     names = _qdq.NameAllocator(copy.graph)
     for node in list(copy.graph):
         params = _qdq.quant_params(node) if _qdq.is_quantize(node) else None

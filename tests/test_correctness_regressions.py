@@ -198,6 +198,31 @@ def test_contrib_domain_qdq_is_moved_to_the_default_domain_exactly(activation_ty
                                   _testing.outputs(qdq, feeds[0], optimized=False)[0])
 
 
+def test_the_guard_reads_contrib_domain_qdq_as_the_standard_ops():
+    """A com.microsoft Q/DQ model is held to the same unrounded reference as its default-domain copy
+    (it was its own reference: any approximate rule looked like a loss, so the guard undid a rule on
+    the first fix() and kept it on the second, fuzz seed 2400023)."""
+    rng = np.random.default_rng(1)
+    model = _model(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["y"], name="relu")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [numpy_helper.from_array((rng.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32), "w")], opset=17,
+    )
+    feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    contrib = _quantize_static(model, feeds, extra_options={"UseQDQContribOps": True})
+    standard = _quantize_static(model, feeds)
+    assert {n.domain for n in contrib.graph.node if n.op_type.endswith("Linear")} == {"com.microsoft"}
+    contrib_cosines = guard.Guard(contrib, feeds).input_cosines
+    assert contrib_cosines == pytest.approx(guard.Guard(standard, feeds).input_cosines, abs=1e-7)
+    assert contrib_cosines[0] < 1.0  # the reference is unrounded, not the model itself
+
+
+def test_fix_is_idempotent_where_the_guard_undid_a_rule_on_contrib_qdq():
+    case = fuzz.check_fix_case(2400023, targets=("ort-cpu-arm",))
+    assert not case.failures, [f.describe() for f in case.failures]
+
+
 def test_contrib_16_bit_qdq_below_opset_21_stays_with_a_reason():
     q = _add_with_constant_node_params(True)
     for node in q.graph.node:
