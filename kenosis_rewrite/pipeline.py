@@ -124,10 +124,13 @@ class FixPass(ir.passes.InPlacePass):
         steps = ir.passes.Sequential(
             *self._enabled(first + target.pre_passes(self.report)),
             common_passes.RemoveUnusedNodesPass(),  # rules count consumers: dead readers must go first
-            _rewrite_until_done(RewriteRuleSet(self._enabled(target.rules(self.report)))),
-            # post passes move Q/DQ and change parameters: repeat them until nothing changes, so a
-            # second fix() finds nothing left to do (idempotence)
-            ir.passes.PassManager(self._enabled(target.post_passes(self.report)), steps=_MAX_REWRITE_ROUNDS),
+            # post passes move Q/DQ and change parameters, which can make a rule match again (a Clip
+            # moved in front of a Reshape now follows the Conv's Q/DQ): rules and post passes are
+            # repeated together until nothing changes, so a second fix() finds nothing left to do
+            ir.passes.PassManager([
+                _rewrite_until_done(RewriteRuleSet(self._enabled(target.rules(self.report)))),
+                ir.passes.PassManager(self._enabled(target.post_passes(self.report)), steps=_MAX_REWRITE_ROUNDS),
+            ], steps=_MAX_REWRITE_ROUNDS, early_stop=True),
         )
         result = steps(model)
         CleanupPass()(model)
