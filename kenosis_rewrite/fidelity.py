@@ -54,13 +54,14 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
 
 
 def session(model: onnx.ModelProto | bytes, optimized: bool = True) -> ort.InferenceSession:
-    """An ORT CPU session, one thread; ``optimized=False`` runs the graph as written (ORT_DISABLE_ALL).
-    ``model``: a proto or its serialisation (for a model run more than once: serialising a large
-    model costs as much as loading it).
+    """An ORT CPU session for computing outputs, not timing them: every core, idle threads sleep
+    (:func:`kenosis_rewrite._ort.options`); ``optimized=False`` runs the graph as written
+    (ORT_DISABLE_ALL). ``model``: a proto or its serialisation (for a model run more than once:
+    serialising a large model costs as much as loading it).
 
     ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
     """
-    return _ort.session(model, _ort.options(1, level="all" if optimized else "none"))
+    return _ort.session(model, _ort.options(None, level="all" if optimized else "none", spinning=False))
 
 
 def _session(model: onnx.ModelProto | bytes, optimized: bool = True) -> ort.InferenceSession:
@@ -73,7 +74,7 @@ def _session(model: onnx.ModelProto | bytes, optimized: bool = True) -> ort.Infe
 def run(
     model: onnx.ModelProto | bytes, feeds: Iterable[Mapping[str, np.ndarray]], optimized: bool = True,
 ) -> list[list[np.ndarray]]:
-    """Outputs of ``model`` (a proto or its serialisation) on each feed (ORT CPU, one thread;
+    """Outputs of ``model`` (a proto or its serialisation) on each feed (a :func:`session`;
     ``optimized=False``: the graph as written)."""
     session = _session(model, optimized)
     try:
