@@ -230,11 +230,12 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.Model
 
 def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> list[np.ndarray]:
     """Per layer, the per-channel mean shift of each feed: an array (feeds, channels)."""
-    session = fidelity.session(_probe(float_proto, layers))
+    at_once = fidelity.concurrent_runs(len(feeds))
+    session = fidelity.session(_probe(float_proto, layers), at_once=at_once)
     wanted = [o.name for o in session.get_outputs()][-len(layers):]
     per_feed: list[list[np.ndarray]] = [[] for _ in layers]
-    for feed in feeds:
-        for i, shift in enumerate(session.run(wanted, dict(feed))):
+    for run in fidelity.each_run(session, feeds, at_once, wanted):
+        for i, shift in enumerate(run):
             per_feed[i].append(shift.reshape(shift.shape[0], shift.shape[1], -1).mean(axis=(0, 2), dtype=np.float64))
     return [np.stack(shifts) for shifts in per_feed]
 

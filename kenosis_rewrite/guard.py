@@ -51,8 +51,8 @@ _FEEDS = 4
 
 
 def _outputs(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], optimized: bool) -> list[list[np.ndarray]]:
-    session = fidelity.session(model, optimized)
-    return [session.run(None, dict(feed)) for feed in feeds]
+    at_once = fidelity.concurrent_runs(len(feeds))
+    return fidelity.each_run(fidelity.session(model, optimized, at_once), feeds, at_once)
 
 
 def _per_output_cosines(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> list[float]:

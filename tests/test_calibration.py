@@ -380,6 +380,39 @@ def test_collect_histograms_streams_a_generator_once():
     assert samples == 4 and len(consumed) == 4 and "x" in histograms
 
 
+def test_prefetched_runs_update_the_same_statistics_in_the_same_order():
+    from kenosis_rewrite.calibration import collect  # noqa: PLC0415
+
+    model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(model, 5, seed=4)
+    names = list(collect.calibrated_tensors(model, feeds[0]))
+    session = collect._session(collect._augmented(model, names))
+    results = {}
+    for prefetch in (False, True):
+        histograms, seen = {}, []
+        count = collect._run_group(session, names, iter(feeds), histograms, StreamingHistogram,
+                                   lambda run: seen.append(run["x"].copy()), prefetch=prefetch)
+        results[prefetch] = (count, histograms, seen)
+    (count, plain, plain_seen), (prefetched_count, prefetched, prefetched_seen) = results[False], results[True]
+    assert count == prefetched_count == 5 and plain.keys() == prefetched.keys()
+    for name, histogram in plain.items():
+        other = prefetched[name]
+        assert (histogram.minimum, histogram.maximum, histogram.zeros, histogram.lo, histogram.width) == (
+            other.minimum, other.maximum, other.zeros, other.lo, other.width), name
+        np.testing.assert_array_equal(histogram.counts, other.counts)
+    for feed, plain_x, prefetched_x in zip(feeds, plain_seen, prefetched_seen):
+        np.testing.assert_array_equal(plain_x, feed["x"])
+        np.testing.assert_array_equal(prefetched_x, feed["x"])
+
+
+def test_a_sample_onnxruntime_refuses_is_named_in_the_error():
+    model = toy_models.build("conv_relu")
+    feeds = toy_models.random_feeds(model, 3)
+    feeds[1] = {"x": feeds[1]["x"][:, :1]}  # wrong channel count
+    with pytest.raises(CalibrationError, match="calibration sample 1"):
+        collect_ranges(model, feeds, progress=False)
+
+
 def test_empty_feeds_are_refused():
     with pytest.raises(CalibrationError):
         collect_ranges(toy_models.build("conv_relu"), [], progress=False)

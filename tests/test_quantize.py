@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kenosis_rewrite
 from kenosis_rewrite import _testing, fidelity, ort_quantize, protection, sensitivity, toy_models
+from kenosis_rewrite.errors import RuntimeMeasurementError
 from kenosis_rewrite.quantize import quantize
 
 
@@ -200,6 +201,22 @@ def test_sensitivity_compares_a_layer_with_its_fp32_counterpart_not_a_renamed_te
     assert conv.output[0] in float_names and _testing.producer_of(float_model, conv.output[0]).op_type == "Clip"
     analysis = {layer.name: layer for layer in sensitivity.analyze(float_model, quantized, feeds)}
     assert analysis[conv.name].output_sqnr_db > 20 and analysis[conv.name].local_sqnr_db > 20
+
+
+def test_concurrent_runs_give_each_feed_its_own_outputs_in_feed_order():
+    float_model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(float_model, 5, seed=7)
+    session = fidelity.session(float_model, at_once=3)
+    one_by_one = fidelity.each_run(session, feeds, 1)
+    at_once = fidelity.each_run(session, feeds, 3)
+    assert len(at_once) == 5
+    for alone, together in zip(one_by_one, at_once):
+        for a, b in zip(alone, together):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(one_by_one[0][0], one_by_one[1][0])  # the feeds differ, so order is checked
+    bad = [*feeds[:3], {"x": feeds[0]["x"][:, :1]}]
+    with pytest.raises(RuntimeMeasurementError, match="failed to run"):
+        fidelity.run(float_model, bad)
 
 
 def test_reference_runs_run_each_feed_once_per_setting_and_score_as_compare_to_float(monkeypatch):
