@@ -2,7 +2,8 @@
 
     for m in $(python -c "from kenosis_rewrite import zoo; print(*zoo.list_models())"); do
         kenosis-rewrite bench zoo:$m --configs u8s8_pc,u8s8 --quantize --peers nncf,inc,quark \\
-            --threads 1,2 --calibration-samples 8 --min-seconds 1 --json docs/benchmarks/zoo/$m.json
+            --threads 1,2 --calibration-samples 16 --photos large --min-seconds 1 \\
+            --json docs/benchmarks/zoo/$m.json --markdown docs/benchmarks/zoo/$m.md
     done
     python examples/zoo_table.py docs/benchmarks/zoo/*.json
 
