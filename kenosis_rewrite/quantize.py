@@ -43,7 +43,8 @@ from onnxruntime.quantization import QuantFormat, QuantType
 from kenosis_rewrite import _io, calibration as calib, fidelity
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
-from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
+from kenosis_rewrite.calibration.shared_scales import SAME_SCALE_OPS, shared_concat_ranges
+from kenosis_rewrite.calibration.ort_static import ranges_the_quantizer_sets
 from kenosis_rewrite.equalization import ChannelMaxima, equalize
 from kenosis_rewrite.weight_rounding import InputMoments, round_weights
 from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
@@ -207,6 +208,22 @@ def _calibrated(model: onnx.ModelProto, chosen_plan: str, options: Mapping, laye
     return wanted | (layer_inputs.sources() if layer_inputs is not None else set())
 
 
+def _borrowed(model: onnx.ModelProto, options: Mapping, shared_ranges: bool, layer_inputs: InputMoments | None
+              ) -> dict[str, str | tuple[float, float]]:
+    """Tensors calibration need not measure: quantize_static overwrites their ranges (a Relu or Clip's
+    sole input takes its output's range). Not those that shared Concat ranges may read (a member of
+    a Concat's group must have its own measured range), nor the layer inputs weight rounding reads."""
+    borrowed = ranges_the_quantizer_sets(
+        model, options.get("op_types_to_quantize"), options.get("nodes_to_quantize"), options.get("nodes_to_exclude"))
+    if shared_ranges:
+        grouping = SAME_SCALE_OPS | {"Concat"}
+        near_groups = {name for node in model.graph.node if node.op_type in grouping
+                       for name in (*node.input, *node.output)}
+        borrowed = {name: source for name, source in borrowed.items() if name not in near_groups}
+    kept = layer_inputs.sources() if layer_inputs is not None else set()
+    return {name: source for name, source in borrowed.items() if name not in kept}
+
+
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
     initializers = {init.name for init in model.graph.initializer}
     if sum(value.name not in initializers for value in model.graph.input) < 2:
@@ -350,7 +367,9 @@ def quantize(
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
                                       observe=layer_inputs.observe if layer_inputs is not None else None,
-                                      tensors=_calibrated(proto, chosen_plan, options, layer_inputs))
+                                      tensors=_calibrated(proto, chosen_plan, options, layer_inputs),
+                                      borrowed=_borrowed(proto, options, share_concat_ranges and chosen_plan == "full",
+                                                         layer_inputs))
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types

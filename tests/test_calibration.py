@@ -388,12 +388,17 @@ def test_prefetched_runs_update_the_same_statistics_in_the_same_order():
     names = list(collect.calibrated_tensors(model, feeds[0]))
     session = collect._session(collect._augmented(model, names))
     results = {}
-    for concurrent in (False, True):
+    for concurrent, ahead in ((False, False), (True, True), (True, False)):
         histograms, seen = {}, []
         count = collect._run_group(session, names, iter(feeds), histograms, StreamingHistogram,
-                                   lambda run: seen.append(run["x"].copy()), concurrent=concurrent)
-        results[concurrent] = (count, histograms, seen)
-    (count, plain, plain_seen), (prefetched_count, prefetched, prefetched_seen) = results[False], results[True]
+                                   lambda run: seen.append(run["x"].copy()), concurrent=concurrent, ahead=ahead)
+        results[concurrent, ahead] = (count, histograms, seen)
+    for variant in ((True, True), (True, False)):
+        _assert_same_statistics(feeds, results[False, False], results[variant])
+
+
+def _assert_same_statistics(feeds, plain_run, concurrent_run):
+    (count, plain, plain_seen), (prefetched_count, prefetched, prefetched_seen) = plain_run, concurrent_run
     assert count == prefetched_count == 5 and plain.keys() == prefetched.keys()
     for name, histogram in plain.items():
         other = prefetched[name]
@@ -452,3 +457,18 @@ def test_per_channel_in_graph_normalisation_means_raw_0_255_pixels():
     assert spec.pixel_scale == 255.0 and "in-graph" in spec.reason
     feed = calibration.synthetic_feeds(model, 1)[0]["image"]
     assert feed.min() >= 0 and feed.max() > 100
+
+
+def test_a_run_never_returns_a_view_of_its_feed():
+    """onnxruntime hands a graph input back as the feed's own memory: a view of it would read
+    whatever reuses that memory once the feed is dropped (calibration ran ahead of the binning)."""
+    from kenosis_rewrite.calibration import collect  # noqa: PLC0415
+
+    model = toy_models.build("conv_relu")
+    feed = toy_models.random_feeds(model, 1, seed=5)[0]
+    expected = feed["x"].copy()
+    names = list(collect.calibrated_tensors(model, feed))
+    outputs = dict(zip(names, collect._tensors_of(collect._session(collect._augmented(model, names)), names, feed)))
+    feed["x"][...] = 7.0  # what a freed and reused buffer would show
+    np.testing.assert_array_equal(outputs["x"], expected)
+    assert all(isinstance(value, np.ndarray) for value in outputs.values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -235,3 +237,69 @@ def test_reference_runs_run_each_feed_once_per_setting_and_score_as_compare_to_f
     monkeypatch.setattr(fidelity, "run", real_run)
     shared = fidelity.compare_to_reference(runs, {"q": candidate}, count=4)
     assert shared == fidelity.compare_to_float(float_model, {"q": candidate}, feeds[:4])
+
+
+def _activation_chains() -> onnx.ModelProto:
+    """Conv -> Relu -> Clip (a chain), a Conv output read twice, a Relu feeding a Concat group, a Softmax."""
+    b = toy_models.ToyBuilder(seed=11)
+    c = toy_models.C
+    c1 = b.conv("x", c, c)
+    chained = b.clip(b.node("Relu", [c1]), 0.0, 6.0)
+    c2 = b.conv(chained, c, c)
+    r2 = b.node("Relu", [c2])
+    c3 = b.conv(r2, c, c)
+    twice = b.node("Add", [b.node("Relu", [c3]), c3])
+    pooled = b.node("MaxPool", [b.node("Relu", [b.conv(chained, c, c)])], kernel_shape=[1, 1])
+    joined = b.node("Relu", [b.node("Concat", [b.conv(r2, c, c), pooled], axis=1)])
+    weights = b.node("Softmax", [b.conv(joined, 2 * c, c)], axis=1)
+    out = b.node("Add", [b.node("Mul", [weights, twice]), r2])
+    return b.model(toy_models.IMAGE, out)
+
+
+def test_ranges_the_quantizer_sets_are_the_sole_inputs_of_relu_and_clip_and_softmax_outputs():
+    from kenosis_rewrite.calibration.ort_static import ranges_the_quantizer_sets  # noqa: PLC0415
+
+    model = _activation_chains()
+    nodes = {node.output[0]: node for node in model.graph.node}
+    borrowed = ranges_the_quantizer_sets(model)
+    for name, source in borrowed.items():
+        if isinstance(source, str):
+            assert nodes[source].op_type in ("Relu", "Clip") and nodes[source].input[0] == name
+            assert name not in borrowed.values()  # never a source that ORT adjusts in turn
+        else:
+            assert source == (0.0, 1.0) and nodes[name].op_type == "Softmax"
+    relu_of = {node.input[0]: node.output[0] for node in model.graph.node if node.op_type == "Relu"}
+    conv_outputs = [node.output[0] for node in model.graph.node if node.op_type == "Conv"]
+    # the first Conv's Relu is adjusted from the Clip after it: the Relu keeps its measured range
+    assert borrowed[conv_outputs[0]] == relu_of[conv_outputs[0]] and relu_of[conv_outputs[0]] not in borrowed
+    assert conv_outputs[2] not in borrowed  # read by its Relu and by an Add
+    assert ranges_the_quantizer_sets(model, nodes_to_exclude=[nodes[relu_of[conv_outputs[1]]].name]).get(
+        conv_outputs[1]) is None  # an excluded Relu is not adjusted
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"per_channel": False, "calibration_method": "minmax"}, {"calibration_method": "entropy"},
+    {"target": "tensorrt"}, {"bias_correction": False, "weight_rounding": False},
+])
+def test_unmeasured_borrowed_ranges_give_the_same_model_byte_for_byte(monkeypatch, options):
+    from kenosis_rewrite import quantize as quantize_module  # noqa: PLC0415
+    from kenosis_rewrite.calibration import collect  # noqa: PLC0415
+
+    module = sys.modules[quantize_module.__module__]
+    measured, real = [], collect._collect
+
+    def spy(*args, **kwargs):
+        histograms, samples, fixed = real(*args, **kwargs)
+        measured.append(len({id(h) for h in histograms.values()}))
+        return histograms, samples, fixed
+
+    monkeypatch.setattr(collect, "_collect", spy)
+    for model in (_activation_chains(), toy_models.build("resnetish"), toy_models.build("conv_clip_maxpool")):
+        feeds = toy_models.random_feeds(model, 4, seed=2)
+        measured.clear()
+        borrowing = quantize(model, feeds, **options).SerializeToString()
+        with monkeypatch.context() as patched:
+            patched.setattr(module, "_borrowed", lambda *args: {})
+            measuring_all = quantize(model, feeds, **options).SerializeToString()
+        assert borrowing == measuring_all
+        assert measured[0] < measured[1]  # some tensors were not measured

@@ -284,21 +284,26 @@ def _tensors_of(session: ort.InferenceSession, names: list[str], feed: Mapping[s
     """``session``'s outputs ``names`` on ``feed``: tensors as numpy arrays over onnxruntime's own
     buffers (``session.run`` copies every output into a fresh array: a PP-OCR detector's 331 exposed
     tensors are 680 MB a feed, and the copies took 0.9 s of its 1.0 s runs), anything else as None."""
-    inputs = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)) for name, value in feed.items()}
-    # .numpy() of a CPU tensor is a view whose base keeps onnxruntime's buffer alive
-    return [value.numpy() if value.is_tensor() else None for value in session.run_with_ort_values(names, inputs)]
+    arrays = [np.ascontiguousarray(value) for value in feed.values()]
+    inputs = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in zip(feed, arrays)}
+    # .numpy() of a CPU tensor is a view whose base keeps onnxruntime's buffer alive; but an output
+    # that is a graph input (or onnxruntime's in-place view of one) is the feed's memory, which
+    # nothing keeps alive once the caller drops the feed: those are copied
+    outputs = [value.numpy() if value.is_tensor() else None for value in session.run_with_ort_values(names, inputs)]
+    return [np.array(output) if output is not None and any(np.may_share_memory(output, array) for array in arrays)
+            else output for output in outputs]
 
 
 def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[Mapping[str, np.ndarray]],
                histograms: dict[str, StreamingHistogram], factory: Callable[[], StreamingHistogram],
-               observe: Observer | None = None, concurrent: bool = True) -> int:
+               observe: Observer | None = None, concurrent: bool = True, ahead: bool = True) -> int:
     """Run every feed once, updating the histogram of each float output (and showing the outputs,
     by name, to ``observe``); returns the number of feeds.
 
-    ``concurrent``: onnxruntime computes the next feed's run on a worker thread while the last
-    one's tensors update their histograms, several tensors at once (runs and the binning's numpy
-    loops release the GIL), so two runs' tensors are alive at once. Each histogram still gets its
-    updates in feed order, and ``observe`` its calls, so the statistics are the same as without."""
+    ``concurrent``: a run's tensors update their histograms several at once (the binning's numpy
+    loops release the GIL), and with ``ahead`` onnxruntime computes the next feed's run on a worker
+    thread meanwhile, so two runs' tensors are alive at once. Each histogram still gets its updates
+    in feed order, and ``observe`` its calls, so the statistics are the same as without."""
     input_names = {i.name for i in session.get_inputs()}
 
     def run(index: int, feed: Mapping[str, np.ndarray]) -> list:
@@ -330,6 +335,10 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
 
         pending = None
         for feed in feeds:
+            if not ahead:
+                absorb(run(count, feed))
+                count += 1
+                continue
             submitted = runner.submit(run, count, feed)
             if pending is not None:
                 absorb(pending.result())
@@ -350,14 +359,26 @@ def collect_histograms(
     progress: bool | None = None,
     observe: Observer | None = None,
     tensors: Collection[str] | None = None,
+    borrowed: Mapping[str, str | tuple[float, float]] | None = None,
 ) -> tuple[dict[str, StreamingHistogram], int]:
     """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
 
     ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``: called
     with each run's tensors by name (split runs: each part, in feed order). ``tensors``: only these
     (of those :func:`calibrated_tensors` selects) are exposed and measured; the others stay inside
-    the graph, where onnxruntime may fuse them away.
+    the graph, where onnxruntime may fuse them away. ``borrowed``: tensors whose range the quantizer
+    sets itself (:func:`~kenosis_rewrite.calibration.ort_static.ranges_the_quantizer_sets`), not
+    measured: one that takes a measured tensor's range gets that tensor's statistics (the same
+    object), one with a fixed range gets none.
     """
+    histograms, samples, _ = _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, observe, tensors,
+                                      borrowed)
+    return histograms, samples
+
+
+def _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, observe, tensors, borrowed
+             ) -> tuple[dict[str, StreamingHistogram], int, dict[str, tuple[float, float]]]:
+    """:func:`collect_histograms`, and the fixed ranges of the borrowed tensors it did not measure."""
     model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
     first_pass = _feed_iterable(feeds)
     iterator = iter(first_pass)
@@ -368,6 +389,9 @@ def collect_histograms(
     if tensors is not None:
         wanted = set(tensors)
         selected = {name: size for name, size in selected.items() if name in wanted}
+    aliases = {name: source for name, source in (borrowed or {}).items()
+               if name in selected and (not isinstance(source, str) or source in selected)}
+    selected = {name: size for name, size in selected.items() if name not in aliases}
     groups = _groups(selected, max_pass_bytes)
     if len(groups) > 1 and not _reiterable(feeds):
         groups = [[name for group in groups for name in group]]  # one pass is all a generator allows
@@ -385,9 +409,11 @@ def collect_histograms(
         # running ahead holds two runs' tensors: only where two fit in the budget
         ahead = 2 * sum(selected[name] for name in names) <= max_pass_bytes
         samples = _run_group(session, names, _progress(stream, progress, total, label), histograms, factory,
-                             observe, ahead)
+                             observe, ahead=ahead)
         del session
-    return histograms, samples
+    histograms.update({name: histograms[source] for name, source in aliases.items()
+                       if isinstance(source, str) and source in histograms})
+    return histograms, samples, {name: source for name, source in aliases.items() if not isinstance(source, str)}
 
 
 def _chain(first: Mapping[str, np.ndarray], rest: Iterator[Mapping[str, np.ndarray]]) -> Iterator:
@@ -413,6 +439,7 @@ def collect_ranges(
     serialised: bool = False,
     observe: Observer | None = None,
     tensors: Collection[str] | None = None,
+    borrowed: Mapping[str, str | tuple[float, float]] | None = None,
 ) -> TensorRanges:
     """Per-tensor ``(lo, hi)`` ranges of every float tensor of ``float_model`` over ``feeds``.
 
@@ -424,12 +451,14 @@ def collect_ranges(
     ``serialised``: ``float_model`` is a ModelProto that onnx_ir serialised (quantize()'s), used as it
     is: loading and serialising it again would give the same proto. ``observe``: as in
     :func:`collect_histograms` (not called when the ranges come from the cache). ``tensors``: only
-    these, as in :func:`collect_histograms` (not with ``cache``: a ranges file holds every tensor).
+    these, as in :func:`collect_histograms` (not with ``cache``: a ranges file holds every tensor);
+    ``borrowed`` likewise.
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
-    if cache is not None and tensors is not None:
-        raise ValueError("a calibration cache holds the ranges of every tensor: pass tensors= or cache=, not both")
+    if cache is not None and (tensors is not None or borrowed):
+        raise ValueError("a calibration cache holds the ranges of every tensor: pass tensors= or borrowed= "
+                         "or cache=, not both")
     model = float_model if serialised else _float_proto(float_model)
     digest = model_hash(model)
     used_percentile = percentile if method == "percentile" else None
@@ -441,10 +470,12 @@ def collect_ranges(
             cached = TensorRanges.load(cache_path)
             if (cached.model_sha256, cached.method, cached.percentile) == (digest, method, used_percentile):
                 return cached
-    histograms, samples = collect_histograms(model, feeds, histogram=method != "minmax", bins=bins,
-                                             max_pass_bytes=max_pass_bytes, progress=progress, observe=observe,
-                                             tensors=tensors)
-    ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
+    histograms, samples, fixed = _collect(model, feeds, method != "minmax", bins, max_pass_bytes, progress, observe,
+                                          tensors, borrowed)
+    by_histogram: dict[int, tuple[float, float]] = {}  # a borrowed tensor shares its source's histogram
+    ranges = {name: by_histogram.get(id(h)) or by_histogram.setdefault(id(h), range_from_histogram(h, method, percentile))
+              for name, h in histograms.items()}
+    ranges.update(fixed)  # the quantizer needs their names, with any range: it sets its own
     result = TensorRanges(ranges, method, used_percentile, samples, digest)
     if cache_path is not None:
         result.save(cache_path)
