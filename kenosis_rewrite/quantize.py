@@ -370,6 +370,13 @@ def quantize(
                                       tensors=_calibrated(proto, chosen_plan, options, layer_inputs),
                                       borrowed=_borrowed(proto, options, share_concat_ranges and chosen_plan == "full",
                                                          layer_inputs))
+    except calib.CalibrationError as error:
+        if not _self_calibrated(calibration):
+            raise
+        sizes = ", ".join(f"{name} {list(value.shape)}" for name, value in feeds[0].items())
+        raise calib.CalibrationError(
+            f"{error}. Self-calibration made up the sizes of the symbolic input dims ({sizes}) and the model does "
+            "not run at them: pass calibration feeds (or a folder of images) of the sizes it expects") from None
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types

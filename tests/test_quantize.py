@@ -303,3 +303,19 @@ def test_unmeasured_borrowed_ranges_give_the_same_model_byte_for_byte(monkeypatc
             measuring_all = quantize(model, feeds, **options).SerializeToString()
         assert borrowing == measuring_all
         assert measured[0] < measured[1]  # some tensors were not measured
+
+
+def test_self_calibration_at_sizes_the_model_cannot_run_says_what_to_pass():
+    """A text recognizer's symbolic height must be 32; self-calibration's images are 224 high."""
+    b = toy_models.ToyBuilder(seed=2)
+    h = b.conv("x", 3, 4)
+    flat = b.node("Reshape", [h, b.const(np.array([1, 4, 32 * 32], np.int64), "shape")])
+    model = b.model({"x": [1, 3, 32, 32]}, flat)
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
+    model.graph.input[0].type.tensor_type.shape.dim[3].dim_param = "width"
+    with pytest.raises(kenosis_rewrite.calibration.CalibrationError,
+                       match=r"Self-calibration made up .*x \[1, 3, 224, 224\].*pass calibration feeds"):
+        quantize(model)
+    feeds = [{"x": np.random.default_rng(i).normal(size=(1, 3, 32, 32)).astype(np.float32)} for i in range(4)]
+    quantized = quantize(model, feeds)
+    assert _testing.outputs(quantized, feeds[0])[0].shape == (1, 4, 32 * 32)
