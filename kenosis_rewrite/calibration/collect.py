@@ -335,14 +335,13 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
 
         pending = None
         for feed in feeds:
-            if not ahead:
+            if ahead:
+                submitted = runner.submit(run, count, feed)
+                if pending is not None:
+                    absorb(pending.result())
+                pending = submitted
+            else:
                 absorb(run(count, feed))
-                count += 1
-                continue
-            submitted = runner.submit(run, count, feed)
-            if pending is not None:
-                absorb(pending.result())
-            pending = submitted
             count += 1
         if pending is not None:
             absorb(pending.result())
@@ -371,14 +370,17 @@ def collect_histograms(
     measured: one that takes a measured tensor's range gets that tensor's statistics (the same
     object), one with a fixed range gets none.
     """
-    histograms, samples, _ = _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, observe, tensors,
-                                      borrowed)
+    histograms, samples, aliases = _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, observe,
+                                            tensors, borrowed)
+    histograms.update({name: histograms[source] for name, source in aliases.items()
+                       if isinstance(source, str) and source in histograms})
     return histograms, samples
 
 
 def _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, observe, tensors, borrowed
-             ) -> tuple[dict[str, StreamingHistogram], int, dict[str, tuple[float, float]]]:
-    """:func:`collect_histograms`, and the fixed ranges of the borrowed tensors it did not measure."""
+             ) -> tuple[dict[str, StreamingHistogram], int, dict[str, str | tuple[float, float]]]:
+    """The statistics of the measured tensors, the number of samples, and the borrowed tensors left
+    unmeasured (each -> its source, as in ``borrowed``)."""
     model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
     first_pass = _feed_iterable(feeds)
     iterator = iter(first_pass)
@@ -411,9 +413,7 @@ def _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, obse
         samples = _run_group(session, names, _progress(stream, progress, total, label), histograms, factory,
                              observe, ahead=ahead)
         del session
-    histograms.update({name: histograms[source] for name, source in aliases.items()
-                       if isinstance(source, str) and source in histograms})
-    return histograms, samples, {name: source for name, source in aliases.items() if not isinstance(source, str)}
+    return histograms, samples, aliases
 
 
 def _chain(first: Mapping[str, np.ndarray], rest: Iterator[Mapping[str, np.ndarray]]) -> Iterator:
@@ -470,12 +470,12 @@ def collect_ranges(
             cached = TensorRanges.load(cache_path)
             if (cached.model_sha256, cached.method, cached.percentile) == (digest, method, used_percentile):
                 return cached
-    histograms, samples, fixed = _collect(model, feeds, method != "minmax", bins, max_pass_bytes, progress, observe,
-                                          tensors, borrowed)
-    by_histogram: dict[int, tuple[float, float]] = {}  # a borrowed tensor shares its source's histogram
-    ranges = {name: by_histogram.get(id(h)) or by_histogram.setdefault(id(h), range_from_histogram(h, method, percentile))
-              for name, h in histograms.items()}
-    ranges.update(fixed)  # the quantizer needs their names, with any range: it sets its own
+    histograms, samples, aliases = _collect(model, feeds, method != "minmax", bins, max_pass_bytes, progress, observe,
+                                            tensors, borrowed)
+    ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
+    # a fixed range: the quantizer needs the name, with any range (it sets its own)
+    ranges.update({name: ranges[source] if isinstance(source, str) else source for name, source in aliases.items()
+                   if not isinstance(source, str) or source in ranges})
     result = TensorRanges(ranges, method, used_percentile, samples, digest)
     if cache_path is not None:
         result.save(cache_path)
