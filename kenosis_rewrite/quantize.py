@@ -366,7 +366,7 @@ def quantize(
     layer_inputs = InputMoments(proto) if weight_rounding else None
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
-                                      observe=layer_inputs.observe if layer_inputs is not None else None,
+                                      observe=layer_inputs.tasks if layer_inputs is not None else None,
                                       tensors=_calibrated(proto, chosen_plan, options, layer_inputs),
                                       borrowed=_borrowed(proto, options, share_concat_ranges and chosen_plan == "full",
                                                          layer_inputs))

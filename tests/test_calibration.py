@@ -15,6 +15,7 @@ from onnxruntime.quantization import CalibrationDataReader, quantize_static
 from kenosis_rewrite import toy_models
 from kenosis_rewrite.calibration import (
     CalibrationError,
+    PercentileTails,
     StreamingHistogram,
     TensorRanges,
     calibration_reader,
@@ -194,6 +195,73 @@ def test_relu6_spike_at_zero_does_not_make_entropy_clip_the_range():
     without_zeros = StreamingHistogram()
     without_zeros.update(values[values != 0])
     assert range_from_histogram(histogram, "entropy")[1] == pytest.approx(range_from_histogram(without_zeros, "entropy")[1], rel=0.1)
+
+
+def _stream(rng: np.random.Generator, kind: str, size: int, feeds: int) -> list[np.ndarray]:
+    """``feeds`` arrays of one tensor: distributions as activations have them, and drifting ones."""
+    def one(i: int) -> np.ndarray:
+        normal = rng.standard_normal(size)
+        values = {
+            "normal": normal * (1 + i), "relu": np.maximum(normal, 0), "relu6": np.clip(3 * normal, 0, 6),
+            "sigmoid": 1 / (1 + np.exp(-4 * normal)), "cauchy": rng.standard_cauchy(size),
+            "levels": rng.integers(-3, 4, size).astype(float), "constant": np.full(size, 2.0),
+            "drift": normal + 5 * i, "narrowing": normal / (1 + 10 * i), "zeros_first": normal * (i > 0),
+        }[kind].astype(np.float32)
+        if kind == "normal" and i == 1:
+            values[: max(1, size // 50)] = [np.nan, np.inf, -np.inf][i % 3]
+        return values
+    return [one(i) for i in range(feeds)]
+
+
+KINDS = ("normal", "relu", "relu6", "sigmoid", "cauchy", "levels", "constant", "drift", "narrowing", "zeros_first")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_percentile_tails_give_the_full_histograms_percentile_or_say_they_cannot(kind):
+    """PercentileTails bins only the tails; where it returns a range, it is the full histogram's
+    bit for bit, over sizes, feed counts and percentiles (drifting streams defeat it at 90%)."""
+    rng = np.random.default_rng(KINDS.index(kind))
+    settled = 0
+    for size in (1, 7, 300, 20_000, 150_000):
+        for feeds in (1, 4):
+            stream = _stream(rng, kind, size, feeds)
+            for percentile in (99.99, 99.9, 99.0, 90.0):
+                full, tails = StreamingHistogram(bins=2048), PercentileTails(bins=2048, percentile=percentile)
+                for values in stream:
+                    full.update(values)
+                    tails.update(values)
+                assert (tails.count, tails.minimum, tails.maximum) == (full.count, full.minimum, full.maximum)
+                found = tails.percentile_range(percentile)
+                if found is not None:
+                    assert found == range_from_histogram(full, "percentile", percentile)
+                    settled += 1
+                elif percentile == 99.99:
+                    pytest.fail(f"{kind}, {size} values x {feeds}: the 99.99% cut is 80x inside the tails")
+    assert settled >= 30
+
+
+def test_percentile_tails_cannot_give_other_ranges():
+    tails = PercentileTails()
+    tails.update(np.arange(10.0))
+    with pytest.raises(ValueError, match="percentile_range"):
+        range_from_histogram(tails, "percentile")
+
+
+def test_percentile_ranges_are_the_full_histograms_also_where_the_tails_do_not_settle_them():
+    """A drifting input: the 90% range falls between the first feed's tails, so collect_ranges
+    measures that tensor again with a full histogram; every range is the full histograms'."""
+    model = toy_models.build("conv_relu")
+    feeds = [{name: value + 3 * i for name, value in feed.items()}
+             for i, feed in enumerate(toy_models.random_feeds(model, 6))]
+    (image,) = feeds[0]
+    histograms, _ = collect_histograms(model, feeds, progress=False)
+    for percentile in (99.99, 90.0):
+        expected = {name: range_from_histogram(h, "percentile", percentile) for name, h in histograms.items()}
+        assert collect_ranges(model, feeds, "percentile", percentile, progress=False).ranges == expected
+    unsettled = PercentileTails(bins=8192, percentile=90.0)
+    for feed in feeds:
+        unsettled.update(feed[image])
+    assert unsettled.percentile_range(90.0) is None  # the second pass above was taken
 
 
 # --- cache and ORT bridge -----------------------------------------------------------------------

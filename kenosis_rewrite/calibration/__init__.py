@@ -19,7 +19,7 @@ from kenosis_rewrite.calibration.collect import (
     model_hash,
     quantize_with_ranges,
 )
-from kenosis_rewrite.calibration.histogram import METHODS, StreamingHistogram, range_from_histogram
+from kenosis_rewrite.calibration.histogram import METHODS, PercentileTails, StreamingHistogram, range_from_histogram
 from kenosis_rewrite.calibration.inputs import (
     InputSpec,
     describe,
@@ -32,7 +32,7 @@ from kenosis_rewrite.calibration.readers import StreamingReader, calibration_rea
 
 __all__ = [
     "CalibrationError", "TensorRanges", "calibrated_tensors", "collect_histograms", "collect_ranges",
-    "model_hash", "quantize_with_ranges", "METHODS", "StreamingHistogram", "range_from_histogram",
+    "model_hash", "quantize_with_ranges", "METHODS", "PercentileTails", "StreamingHistogram", "range_from_histogram",
     "InputSpec", "describe", "infer_inputs", "iter_synthetic_feeds", "natural_image", "synthetic_feeds",
     "StreamingReader", "calibration_reader", "image_feeds",
 ]

@@ -27,7 +27,7 @@ import onnx
 import onnxruntime as ort
 
 from kenosis_rewrite import _io, _ort, fidelity
-from kenosis_rewrite.calibration.histogram import METHODS, StreamingHistogram, range_from_histogram
+from kenosis_rewrite.calibration.histogram import METHODS, PercentileTails, StreamingHistogram, range_from_histogram
 from kenosis_rewrite.errors import KenosisError
 
 __all__ = [
@@ -277,7 +277,7 @@ def _progress(iterable: Iterable, progress: bool | None, total: int | None, desc
     return tqdm(iterable, total=total, desc=description, unit="sample", leave=False)
 
 
-Observer = Callable[[Mapping[str, np.ndarray]], None]
+Observer = Callable[[Mapping[str, np.ndarray]], Union[Iterable[Callable[[], None]], None]]
 
 
 def _tensors_of(session: ort.InferenceSession, names: list[str], feed: Mapping[str, Any]) -> list:
@@ -298,7 +298,8 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
                histograms: dict[str, StreamingHistogram], factory: Callable[[], StreamingHistogram],
                observe: Observer | None = None, concurrent: bool = True, ahead: bool = True) -> int:
     """Run every feed once, updating the histogram of each float output (and showing the outputs,
-    by name, to ``observe``); returns the number of feeds.
+    by name, to ``observe``; the callables it returns, independent of each other, run like the
+    updates); returns the number of feeds.
 
     ``concurrent``: a run's tensors update their histograms several at once (the binning's numpy
     loops release the GIL), and with ``ahead`` onnxruntime computes the next feed's run on a worker
@@ -313,24 +314,26 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
             raise CalibrationError(f"ONNX Runtime failed on calibration sample {index}: {error}") from None
 
     def updates(outputs: list) -> list[Callable[[], None]]:
-        work: list[Callable[[], None]] = [
-            functools.partial(histograms.setdefault(name, factory()).update, value)
-            for name, value in zip(names, outputs)
-            if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)]
-        if observe is not None:
-            work.append(functools.partial(observe, dict(zip(names, outputs))))
-        return work
+        return [functools.partial(histograms.setdefault(name, factory()).update, value)
+                for name, value in zip(names, outputs)
+                if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)]
+
+    def observed(outputs: list) -> list[Callable[[], None]]:
+        return list(observe(dict(zip(names, outputs))) or ()) if observe is not None else []
 
     count = 0
     if not concurrent:
         for count, feed in enumerate(feeds, 1):
-            for update in updates(run(count - 1, feed)):
+            outputs = run(count - 1, feed)
+            for update in [*updates(outputs), *observed(outputs)]:
                 update()
         return count
     with (concurrent_futures.ThreadPoolExecutor(1, thread_name_prefix="calibration-run") as runner,
           concurrent_futures.ThreadPoolExecutor(fidelity.cores(), thread_name_prefix="calibration-stats") as binners):
         def absorb(outputs: list) -> None:
-            for done in [binners.submit(update) for update in updates(outputs)]:
+            work = [binners.submit(update) for update in updates(outputs)]
+            work += [binners.submit(task) for task in observed(outputs)]
+            for done in work:
                 done.result()  # every update of this feed before any of the next
 
         pending = None
@@ -363,24 +366,26 @@ def collect_histograms(
     """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
 
     ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``: called
-    with each run's tensors by name (split runs: each part, in feed order). ``tensors``: only these
+    with each run's tensors by name (split runs: each part, in feed order); any callables it returns
+    (independent of each other) run on the binning threads before the next feed's tensors are shown. ``tensors``: only these
     (of those :func:`calibrated_tensors` selects) are exposed and measured; the others stay inside
     the graph, where onnxruntime may fuse them away. ``borrowed``: tensors whose range the quantizer
     sets itself (:func:`~kenosis_rewrite.calibration.ort_static.ranges_the_quantizer_sets`), not
     measured: one that takes a measured tensor's range gets that tensor's statistics (the same
     object), one with a fixed range gets none.
     """
-    histograms, samples, aliases = _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, observe,
-                                            tensors, borrowed)
+    histograms, samples, aliases = _collect(float_model, feeds, "full" if histogram else "minmax", bins,
+                                            max_pass_bytes, progress, observe, tensors, borrowed)
     histograms.update({name: histograms[source] for name, source in aliases.items()
                        if isinstance(source, str) and source in histograms})
     return histograms, samples
 
 
-def _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, observe, tensors, borrowed
-             ) -> tuple[dict[str, StreamingHistogram], int, dict[str, str | tuple[float, float]]]:
+def _collect(float_model, feeds, kind, bins, max_pass_bytes, progress, observe, tensors, borrowed,
+             percentile: float = 99.99) -> tuple[dict[str, StreamingHistogram], int, dict[str, str | tuple[float, float]]]:
     """The statistics of the measured tensors, the number of samples, and the borrowed tensors left
-    unmeasured (each -> its source, as in ``borrowed``)."""
+    unmeasured (each -> its source, as in ``borrowed``). ``kind``: ``"full"`` histograms,
+    ``"minmax"`` only, or ``"tails"`` (:class:`PercentileTails`)."""
     model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
     first_pass = _feed_iterable(feeds)
     iterator = iter(first_pass)
@@ -398,7 +403,8 @@ def _collect(float_model, feeds, histogram, bins, max_pass_bytes, progress, obse
     if len(groups) > 1 and not _reiterable(feeds):
         groups = [[name for group in groups for name in group]]  # one pass is all a generator allows
     histograms: dict[str, StreamingHistogram] = {}
-    factory = lambda: StreamingHistogram(bins, keep_histogram=histogram)  # noqa: E731
+    factory = {"full": lambda: StreamingHistogram(bins), "tails": lambda: PercentileTails(bins, percentile),
+               "minmax": lambda: StreamingHistogram(bins, keep_histogram=False)}[kind]
     total = _length(feeds)
     samples = 0
     for index, names in enumerate(groups):
@@ -470,9 +476,20 @@ def collect_ranges(
             cached = TensorRanges.load(cache_path)
             if (cached.model_sha256, cached.method, cached.percentile) == (digest, method, used_percentile):
                 return cached
-    histograms, samples, aliases = _collect(model, feeds, method != "minmax", bins, max_pass_bytes, progress, observe,
-                                            tensors, borrowed)
-    ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
+    # a percentile needs only the histogram's tails, where the feeds can be read again for the rare
+    # tensor whose tails do not settle it (PercentileTails)
+    tails = method == "percentile" and _reiterable(feeds)
+    kind = "tails" if tails else "minmax" if method == "minmax" else "full"
+    histograms, samples, aliases = _collect(model, feeds, kind, bins, max_pass_bytes, progress, observe,
+                                            tensors, borrowed, percentile)
+    if tails:
+        ranges = {name: h.percentile_range(percentile) for name, h in histograms.items()}
+        unsettled = [name for name, found in ranges.items() if found is None]
+        if unsettled:
+            again, _, _ = _collect(model, feeds, "full", bins, max_pass_bytes, progress, None, unsettled, None)
+            ranges.update({name: range_from_histogram(h, method, percentile) for name, h in again.items()})
+    else:
+        ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
     # a fixed range: the quantizer needs the name, with any range (it sets its own)
     ranges.update({name: ranges[source] if isinstance(source, str) else source for name, source in aliases.items()
                    if not isinstance(source, str) or source in ranges})
