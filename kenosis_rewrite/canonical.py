@@ -489,8 +489,8 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     ``PREPARE_TOLERANCE`` of the outputs' magnitude on the first ``VERIFY_FEEDS`` feeds verifies
     (the original's optimized runs are the ones quantize()'s final fidelity reads again). Every
     rewrite is an identity applied whatever the data, so a wrong one shows on any real input; a
-    graph that routes inputs by their values (:func:`_routes_by_data`), and an ``observer``, get
-    every feed. Otherwise the graphs as written are compared, both run with optimizations off,
+    graph that routes inputs by their values (:func:`_routes_by_data`) is compared on every feed,
+    and an ``observer`` is shown the prepared model's runs on every feed. Otherwise the graphs as written are compared, both run with optimizations off,
     within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own optimizations change
     (:func:`_verified_as_written`, on the first ``VERIFY_FEEDS`` feeds unless the graph routes by
     value). ``observer``'s tensors are exposed as extra outputs of the first check's runs of the
@@ -498,10 +498,11 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     fuses into); those runs were of this model, so they stand when either check verifies it."""
     candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
     observed, names, own = _with_observed(candidate, observer)
-    every_feed = own is not None or _routes_by_data(work)
-    feeds = original.feeds if every_feed else original.feeds[:VERIFY_FEEDS]
+    compared = len(original.feeds) if _routes_by_data(work) else VERIFY_FEEDS
+    # the observer gets every feed; the outputs are compared on the first few all the same
+    feeds = original.feeds if own is not None else original.feeds[:compared]
     try:
-        reference = original.outputs(optimized=True, count=len(feeds))
+        reference = original.outputs(optimized=True, count=compared)
     except RuntimeMeasurementError as error:
         report.note(f"prepare: the original model does not run on these inputs ({error}); not verified")
         return True
@@ -518,9 +519,9 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
         onnx.checker.check_model(candidate, full_check=True)
     except (RuntimeMeasurementError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as failure:
         return _refused(f"the prepared model fails: {failure}", report, strict)
-    error = _max_relative_error(reference, outputs)
+    error = _max_relative_error(reference, outputs[:len(reference)])
     if error <= PREPARE_TOLERANCE:
-        report.note(f"prepare: verified on {len(feeds)} inputs, max error {error:.2g} of the output magnitude "
+        report.note(f"prepare: verified on {len(reference)} inputs, max error {error:.2g} of the output magnitude "
                     "(both optimized as onnxruntime runs them)")
         return True
     # the observed runs were of this model: they stand if it verifies as written
