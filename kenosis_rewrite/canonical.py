@@ -490,8 +490,8 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     (the original's optimized runs are the ones quantize()'s final fidelity reads again). Every
     rewrite is an identity applied whatever the data, so a wrong one shows on any real input; a
     graph that routes inputs by their values (:func:`_routes_by_data`) is compared on every feed,
-    and an ``observer`` is shown the prepared model's runs on every feed. Otherwise the graphs as written are compared, both run with optimizations off,
-    within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own optimizations change
+    and an ``observer`` is shown the prepared model's runs on every feed. Otherwise the graphs as
+    written are compared, both run with optimizations off, within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own optimizations change
     (:func:`_verified_as_written`, on the first ``VERIFY_FEEDS`` feeds unless the graph routes by
     value). ``observer``'s tensors are exposed as extra outputs of the first check's runs of the
     prepared model (onnxruntime keeps its fusions around them: they are outputs of the nodes it

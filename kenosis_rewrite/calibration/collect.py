@@ -365,11 +365,11 @@ def collect_histograms(
 ) -> tuple[dict[str, StreamingHistogram], int]:
     """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
 
-    ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``: called
-    with each run's tensors by name (split runs: each part, in feed order); any callables it returns
-    (independent of each other) run on the binning threads before the next feed's tensors are shown. ``tensors``: only these
-    (of those :func:`calibrated_tensors` selects) are exposed and measured; the others stay inside
-    the graph, where onnxruntime may fuse them away. ``borrowed``: tensors whose range the quantizer
+    ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``:
+    called with each run's tensors by name (split runs: each part, in feed order); any callables it
+    returns (independent of each other) run on the binning threads before the next feed's tensors
+    are shown. ``tensors``: only these (of those :func:`calibrated_tensors` selects) are exposed
+    and measured; the others stay inside the graph, where onnxruntime may fuse them away. ``borrowed``: tensors whose range the quantizer
     sets itself (:func:`~kenosis_rewrite.calibration.ort_static.ranges_the_quantizer_sets`), not
     measured: one that takes a measured tensor's range gets that tensor's statistics (the same
     object), one with a fixed range gets none.

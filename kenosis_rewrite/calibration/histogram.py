@@ -24,8 +24,6 @@ Range rules (all return ``(lo, hi)``):
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
 __all__ = ["StreamingHistogram", "PercentileTails", "METHODS", "range_from_histogram"]
@@ -164,7 +162,7 @@ class PercentileTails(StreamingHistogram):
 
     def __init__(self, bins: int = DEFAULT_BINS, percentile: float = 99.99):
         super().__init__(bins)
-        self.tail_share = min(0.25, self.TAIL_MARGIN * (100.0 - percentile) / 200.0)
+        self.tail_share = min(0.25, self.TAIL_MARGIN * _cut(percentile))
         self.thresholds: tuple[np.float32, np.float32] | None = None
         self.spikes: tuple[np.float32, ...] = ()
         # bin -> counted values: a few bins each, not two more histograms per tensor
@@ -173,13 +171,8 @@ class PercentileTails(StreamingHistogram):
 
     def _double(self, downward: bool) -> None:
         super()._double(downward)
-        shift = self.bins // 2 if downward else 0  # where _doubled puts bin i: i // 2 (+ shift)
-        for deferred in (self.deferred_high, self.deferred_low):
-            moved = collections.Counter()
-            for index, count in deferred.items():
-                moved[index // 2 + shift] += count
-            deferred.clear()
-            deferred.update(moved)
+        self.deferred_high, self.deferred_low = (_sparse(_doubled(self._dense(deferred), downward))
+                                                 for deferred in (self.deferred_high, self.deferred_low))
 
     def _pick_thresholds(self, values: np.ndarray) -> None:
         sample = values[::max(1, values.size // self._SAMPLE)]
@@ -263,24 +256,37 @@ class PercentileTails(StreamingHistogram):
         # true cumulative count <= stored + the deferred mass that may lie lower
         upper = np.cumsum(counts) + np.cumsum(deferred_low[first:last]) - np.cumsum(deferred_high[first:last])
         lo_index, hi_index = _percentile_indices(counts, percentile)
-        cut, total = (100.0 - percentile) / 200.0, max(counts.sum(), 1)
+        cut, total = _cut(percentile), max(counts.sum(), 1)
         if lo_index > 0 and not upper[lo_index - 1] / total <= cut:
             return None
         if hi_index > 0 and not upper[hi_index - 1] / total < 1.0 - cut:
             return None
-        lo, hi = _percentile_range(counts, edges, percentile)
+        lo, hi = _edges_at(counts, edges, lo_index, hi_index)
         return max(lo, float(self.minimum)), min(hi, float(self.maximum))
 
 
+def _sparse(dense: np.ndarray) -> dict[int, int]:
+    return {int(index): int(dense[index]) for index in np.flatnonzero(dense)}
+
+
+def _cut(percentile: float) -> float:
+    """The share of the values a two-sided ``percentile`` clips on each side."""
+    return (100.0 - percentile) / 200.0
+
+
 def _percentile_indices(counts: np.ndarray, percentile: float) -> tuple[int, int]:
-    cut = (100.0 - percentile) / 200.0
+    cut = _cut(percentile)
     cdf = np.cumsum(counts) / max(counts.sum(), 1)
     return int(np.searchsorted(cdf, cut, side="right")), int(np.searchsorted(cdf, 1.0 - cut, side="left"))
 
 
-def _percentile_range(counts: np.ndarray, edges: np.ndarray, percentile: float) -> tuple[float, float]:
-    lo_index, hi_index = _percentile_indices(counts, percentile)
+def _edges_at(counts: np.ndarray, edges: np.ndarray, lo_index: int, hi_index: int) -> tuple[float, float]:
+    """The lower edge of bin ``lo_index`` and the upper edge of bin ``hi_index``."""
     return float(edges[min(lo_index, len(counts) - 1)]), float(edges[min(hi_index, len(counts) - 1) + 1])
+
+
+def _percentile_range(counts: np.ndarray, edges: np.ndarray, percentile: float) -> tuple[float, float]:
+    return _edges_at(counts, edges, *_percentile_indices(counts, percentile))
 
 
 def _candidates(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
