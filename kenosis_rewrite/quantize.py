@@ -40,7 +40,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 from onnxruntime.quantization import QuantFormat, QuantType
 
-from kenosis_rewrite import _io, calibration as calib, fidelity
+from kenosis_rewrite import _io, _qdq, calibration as calib, fidelity, value_range
 from kenosis_rewrite import sensitivity
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.shared_scales import SAME_SCALE_OPS, shared_concat_ranges
@@ -224,6 +224,28 @@ def _borrowed(model: onnx.ModelProto, options: Mapping, shared_ranges: bool, lay
     return {name: source for name, source in borrowed.items() if name not in kept}
 
 
+def _mark_deleted_activations(float_proto: onnx.ModelProto, quantized: ir.Model) -> int:
+    """Mark each Q whose clamp stands for a Relu/Clip quantize_static deleted from ``float_proto``
+    (:func:`value_range.mark_deleted_activation`): a deleted ``Clip(-1, 1)`` leaves a Q whose range
+    the graph cannot tell from a calibrated one, and a rewrite that folds through it (a BatchNorm
+    into the Conv before the Clip) would drop the clamp. quantize_static renames the producer's
+    output to the activation's, so the Q reads the activation's output name."""
+    kept = {node.name for node in quantized.graph}
+    deleted = {node.output[0]: node.op_type for node in float_proto.graph.node
+               if node.op_type in ("Relu", "Clip") and node.domain in ("", "ai.onnx") and node.name not in kept}
+    marked = 0
+    for node in quantized.graph:
+        if _qdq.is_quantize(node) and node.inputs[0] is not None and node.inputs[0].name in deleted:
+            value_range.mark_deleted_activation(node, deleted[node.inputs[0].name])
+            marked += 1
+    return marked
+
+
+def _unmark(model: ir.Model) -> None:
+    for node in model.graph:
+        node.metadata_props.pop(value_range.DELETED_ACTIVATION_KEY, None)
+
+
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
     initializers = {init.name for init in model.graph.initializer}
     if sum(value.name not in initializers for value in model.graph.input) < 2:
@@ -391,6 +413,7 @@ def quantize(
     except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
         raise KenosisError(f"onnxruntime's quantize_static failed on this model: {one_line(error)}") from error
     model = ir.serde.deserialize_model(qdq)
+    _mark_deleted_activations(proto, model)
     # the integer MatMuls keep their QDQ form until bias correction and the FP32 fallbacks have read it
     deferred = (INTEGER_MATMUL_BIAS,)
     FixPass(target, report, disabled=deferred)(model)
@@ -417,6 +440,7 @@ def quantize(
     lowered = chosen_plan == "weighted" and DynamicActivationsPass(report)(model).modified
     if apply_rules(model, target, deferred, report) or lowered:
         CleanupPass()(model)
+    _unmark(model)
     out = ir.serde.serialize_model(model)
     out_bytes = out.SerializeToString()  # once for the checker and the session
     onnx.checker.check_model(out_bytes, full_check=True)

@@ -32,7 +32,8 @@ from kenosis_rewrite import _qdq
 
 __all__ = [
     "PASS_THROUGH_OPS", "Interval", "activation_bounds", "bounds", "can_be_negative", "quantizer_range",
-    "quantizer_clamp", "implied_clamp", "is_pass_through", "absorbed_by_quantizer",
+    "quantizer_clamp", "implied_clamp", "is_pass_through", "absorbed_by_quantizer", "DELETED_ACTIVATION_KEY",
+    "mark_deleted_activation",
 ]
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -55,6 +56,10 @@ _AVERAGING_OPS = frozenset({"AveragePool", "GlobalAveragePool", "ReduceMean"})
 
 _UNBOUNDED = (-math.inf, math.inf)
 _DEPTH = 24
+
+# Node metadata on a QuantizeLinear whose clamp stands for a Relu/Clip quantize_static deleted, set
+# by the caller that ran quantize_static and so knows (quantize()): the op type deleted.
+DELETED_ACTIVATION_KEY = "kenosis_rewrite.deleted_activation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +310,11 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
       (``DQ -> Reshape -> Q`` with a narrower range): both were calibrated on the same values, so
       the cut is a Relu/Clip quantize_static deleted after the Reshape. That side's bound.
 
-    None when neither holds: the Q's clamps are then only its calibrated range (of an unbounded
+    * The Q carries ``DELETED_ACTIVATION_KEY`` (:func:`mark_deleted_activation`): whoever ran
+      quantize_static knows it deleted an activation there, e.g. a ``Clip(-1, 1)``, whose range
+      the graph alone cannot tell from a calibrated one. Every side the Q clamps.
+
+    None when none holds: the Q's clamps are then only its calibrated range (of an unbounded
     tensor, or of a bounded activation such as Sigmoid whose calibrated top is below 1), and
     removing them moves the model towards FP32. Raises ValueError like :func:`quantizer_clamp`.
     """
@@ -315,6 +324,8 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
         return None
     if params.scalar_zero_point == params.qmin and clamp[0] is not None:
         return 0.0, quantizer_range(params).hi
+    if DELETED_ACTIVATION_KEY in quantize.metadata_props:
+        return clamp
     source = _quantized_source_range(quantize.inputs[0])
     cut = quantizer_clamp(quantize, source)
     if cut is None:
@@ -322,3 +333,10 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
     lo = cut[0] if math.isfinite(source.lo) else None
     hi = cut[1] if math.isfinite(source.hi) else None
     return None if lo is None and hi is None else (lo, hi)
+
+
+def mark_deleted_activation(quantize: ir.Node, op_type: str) -> None:
+    """Record on ``quantize`` that its clamp stands for the ``op_type`` (Relu/Clip) quantize_static
+    deleted in front of it, so that :func:`implied_clamp` keeps that clamp wherever a rewrite
+    removes or re-parameterises the Q."""
+    quantize.metadata_props[DELETED_ACTIVATION_KEY] = op_type

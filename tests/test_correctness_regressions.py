@@ -105,6 +105,53 @@ def test_batchnorm_is_not_folded_through_a_quantizer_that_stands_for_a_relu():
         assert _cos(reference, _testing.outputs(fixed, feeds[0])[0]) >= _cos(reference, _testing.outputs(qdq, feeds[0])[0]) - 0.01
 
 
+def _conv_clip_batchnorm_conv() -> tuple[onnx.ModelProto, list[dict]]:
+    """Conv -> Clip(-1, 1) -> BN (mixed-sign gamma) -> Conv: the Conv's outputs reach well past +-1."""
+    rng = np.random.default_rng(1)
+    channels = 4
+    initializers = [
+        numpy_helper.from_array((rng.standard_normal((channels, 3, 3, 3)) * 0.8).astype(np.float32), "w"),
+        numpy_helper.from_array(np.zeros(channels, np.float32), "b"),
+        numpy_helper.from_array(np.array(-1, np.float32), "lo"), numpy_helper.from_array(np.array(1, np.float32), "hi"),
+        numpy_helper.from_array(np.array([1.5, -1.5, 1.0, -1.0], np.float32), "g"),
+        numpy_helper.from_array(np.full(channels, 0.1, np.float32), "beta"),
+        numpy_helper.from_array(np.zeros(channels, np.float32), "mean"),
+        numpy_helper.from_array(np.ones(channels, np.float32), "var"),
+        numpy_helper.from_array((rng.standard_normal((channels, channels, 3, 3)) * 0.3).astype(np.float32), "w2"),
+    ]
+    model = _model(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("Clip", ["c", "lo", "hi"], ["clipped"], name="clip"),
+         helper.make_node("BatchNormalization", ["clipped", "g", "beta", "mean", "var"], ["n"], name="bn"),
+         helper.make_node("Conv", ["n", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, 8, 8])],
+        initializers,
+    )
+    return model, [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(5)]
+
+
+def test_quantize_keeps_a_clip_with_a_negative_bound_that_quantize_static_deleted():
+    """Fuzz seed 3400082: quantize_static deletes Clip(-1, 1) and leaves a Q whose range is the clamp,
+    indistinguishable in the graph from a calibrated range. quantize() knows it deleted the Clip and
+    marks that Q, so the BatchNorm is not folded through it into the Conv (which would drop the clamp)."""
+    model, feeds = _conv_clip_batchnorm_conv()
+    unclipped = onnx.ModelProto.FromString(model.SerializeToString())
+    unclipped.graph.node[1].input[1:] = ["", ""]  # Clip without bounds: the clamp matters on these feeds
+    assert _cos(_testing.outputs(model, feeds[4])[0], _testing.outputs(unclipped, feeds[4])[0]) < 0.99
+    quantized, report = kenosis_rewrite.quantize(model, calibration=feeds[:4], canonicalize=False, return_report=True)
+    assert not report.change_counts().get("fold-batchnorm-into-conv")
+    assert any("Relu/Clip quantize_static removed" in r.reason for r in report.refusals
+               if r.rule == "fold-batchnorm-into-conv")
+    assert "BatchNormalization" in _testing.op_types(quantized)
+    assert not any(p.key == value_range.DELETED_ACTIVATION_KEY for n in quantized.graph.node for p in n.metadata_props)
+    plain = _quantize_static(model, feeds[:4], activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
+    reference = _testing.outputs(model, feeds[4])[0]
+    ours = _cos(reference, _testing.outputs(quantized, feeds[4])[0])
+    assert ours >= _cos(reference, _testing.outputs(plain, feeds[4])[0]) - 0.002
+    assert ours > 0.99
+
+
 def test_output_protection_restores_the_clip_quantize_static_removed():
     """repro/quantize_protect_outputs_clip.py: MatMul -> Clip(-1, 1) as the graph output."""
     rng = np.random.default_rng(0)
@@ -264,6 +311,9 @@ def test_implied_clamp_reads_deleted_activations_only():
     q = next(node for node in model.graph if node.name == "qa")
     assert value_range.implied_clamp(q) is None  # an Add of a dequantized input and a constant: calibrated range
     assert value_range.can_be_negative(q.inputs[0])
+    # whoever ran quantize_static and saw it delete a Clip there says so: the whole range is the clamp
+    value_range.mark_deleted_activation(q, "Clip")
+    assert value_range.implied_clamp(q) == value_range.quantizer_clamp(q) is not None
 
 
 # Seeds of the property fuzz (``python -m kenosis_rewrite.fuzz``) that failed before this change,
@@ -279,7 +329,7 @@ def test_fuzz_seed_that_once_failed(seed):
     assert not case.failures, [f.describe() for f in case.failures]
 
 
-@pytest.mark.parametrize("seed", [45, 20035])
+@pytest.mark.parametrize("seed", [45, 20035, 3400082])
 def test_quantize_seed_that_once_failed(seed):
     case = fuzz.check_quantize_case(seed)
     assert not case.failures, [f.describe() for f in case.failures]

@@ -28,8 +28,11 @@ per-tensor scale (one more rounding of the weights, reported).
 The Q/DQ between Conv and BN may carry a clamp: quantize_static deletes the Relu of
 ``Conv -> Relu -> BN`` and keeps it as that Q's zero point at qmin. Such a Q is never folded away
 (:func:`kenosis_rewrite.value_range.implied_clamp`); a BN after a Relu cannot move into the Conv.
-A deleted ``Clip(a, b)`` with ``a < 0`` leaves a Q whose range no analysis can tell from a calibrated
-one: folding through it drops the clamp, which ``fix()``'s run-time guard detects and undoes.
+A deleted ``Clip(a, b)`` with ``a < 0`` leaves a Q whose range no analysis of the graph can tell from a
+calibrated one. ``quantize()``, which ran quantize_static and knows what it deleted, marks that Q
+(:func:`kenosis_rewrite.value_range.mark_deleted_activation`) and the fold is refused; on a model
+quantized elsewhere, folding through it drops the clamp, which ``fix()``'s run-time guard detects
+and undoes.
 
 Refused with a reason: a Q between Conv and BN that clamps at 0, a quantized Conv whose BN output
 is not quantized (the Conv would lose its output quantizer and run float), non-constant BN parameters or weights, training-mode BN, weights with
@@ -116,8 +119,9 @@ class _FoldBatchNorm(ReportingRule):
             )
         if q is not None and value_range.implied_clamp(q.producer()) is not None:
             return self.refuse(
-                where, "the Q between the Conv and the BatchNormalization clamps at 0 (zero point at qmin): it "
-                "stands for a Relu/Clip quantize_static removed, which no fold into the Conv can keep",
+                where, "the Q between the Conv and the BatchNormalization clamps (zero point at qmin, or a deleted "
+                "Clip quantize() marked): it stands for a Relu/Clip quantize_static removed, which no fold into the "
+                "Conv can keep",
             )
         affine = _bn_affine(bn)
         if isinstance(affine, str):
