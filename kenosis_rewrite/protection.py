@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import onnx
 import onnx_ir as ir
@@ -42,12 +43,17 @@ class OutputProtectionPass(ir.passes.InPlacePass):
     the float graph computes the output's tensor with a Relu/Clip that the quantized graph no longer
     has, that activation comes back with its own bounds; when it has none, nothing is added. Without
     it, the clamp the graph proves comes back (:func:`passes.dequantize.remove_qdq_pair`).
+    ``quantized_nodes``: the node names of quantize_static's output, when rewrites ran since.
     """
 
-    def __init__(self, report: FixReport | None = None, float_graph: ir.Graph | None = None):
+    def __init__(self, report: FixReport | None = None, float_graph: ir.Graph | None = None,
+                 quantized_nodes: Collection[str] | None = None):
         super().__init__()
         self.report = report
         self.float_values = _values_by_name(float_graph) if float_graph is not None else None
+        # the node names of the graph quantize_static returned, before any rewrite: a float-graph
+        # activation missing from them was deleted (a rewrite's new node may reuse its name)
+        self.quantized_nodes = frozenset(quantized_nodes) if quantized_nodes is not None else None
 
     def _clamp(self, quantize: ir.Node, output_name: str | None):
         """What to put back for the removed Q: the clamp of the float graph's activations that the
@@ -59,7 +65,9 @@ class OutputProtectionPass(ir.passes.InPlacePass):
         name = output_name if output_name in self.float_values else quantize.inputs[0].name
         if name not in self.float_values:
             return IMPLIED
-        present = {node.name for node in quantize.graph if node.name}
+        present = self.quantized_nodes
+        if present is None:
+            present = {node.name for node in quantize.graph if node.name}
         removed = []
         node = self.float_values[name].producer()
         while node is not None and node.op_type in ("Relu", "Clip") and node.domain in _qdq.DEFAULT_DOMAINS:

@@ -224,13 +224,13 @@ def _borrowed(model: onnx.ModelProto, options: Mapping, shared_ranges: bool, lay
     return {name: source for name, source in borrowed.items() if name not in kept}
 
 
-def _mark_deleted_activations(float_proto: onnx.ModelProto, quantized: ir.Model) -> int:
+def _mark_deleted_activations(float_proto: onnx.ModelProto, quantized: ir.Model, kept: set[str]) -> int:
     """Mark each Q whose clamp stands for a Relu/Clip quantize_static deleted from ``float_proto``
     (:func:`value_range.mark_deleted_activation`): a deleted ``Clip(-1, 1)`` leaves a Q whose range
     the graph cannot tell from a calibrated one, and a rewrite that folds through it (a BatchNorm
     into the Conv before the Clip) would drop the clamp. quantize_static renames the producer's
-    output to the activation's, so the Q reads the activation's output name."""
-    kept = {node.name for node in quantized.graph}
+    output to the activation's, so the Q reads the activation's output name. ``kept``: the node
+    names of quantize_static's output."""
     deleted = {node.output[0]: node.op_type for node in float_proto.graph.node
                if node.op_type in ("Relu", "Clip") and node.domain in ("", "ai.onnx") and node.name not in kept}
     marked = 0
@@ -413,14 +413,15 @@ def quantize(
     except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
         raise KenosisError(f"onnxruntime's quantize_static failed on this model: {one_line(error)}") from error
     model = ir.serde.deserialize_model(qdq)
-    _mark_deleted_activations(proto, model)
+    quantized_nodes = {node.name for node in model.graph if node.name}
+    _mark_deleted_activations(proto, model, quantized_nodes)
     # the integer MatMuls keep their QDQ form until bias correction and the FP32 fallbacks have read it
     deferred = (INTEGER_MATMUL_BIAS,)
     FixPass(target, report, disabled=deferred)(model)
     if chosen_plan in WEIGHTED_PLANS:
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
-        OutputProtectionPass(report, float_graph=prepared.graph)(model)
+        OutputProtectionPass(report, float_graph=prepared.graph, quantized_nodes=quantized_nodes)(model)
     if weight_rounding:
         rounded = round_weights(proto, model, feeds, report, gathered=layer_inputs)
         report.note(f"weight rounding: {rounded} layers")

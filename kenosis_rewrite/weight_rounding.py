@@ -32,7 +32,11 @@ the sequential rounding measures worse keeps round-to-nearest), every value stay
 grid within the integer range, and no weight moves by more than ``MAX_STEPS`` grid steps from its
 round-to-nearest value (so a row fitted to few positions cannot drift far from the FP32 weights).
 Layers it does not handle (grouped convolutions other than depthwise, non-2D convolutions, shared or
-blocked weights, no FP32 counterpart with the same weights) keep round-to-nearest, with a reason.
+blocked weights, no FP32 counterpart with the same weights) keep round-to-nearest, with a reason, and
+so does a layer seen on fewer than ``MIN_SAMPLES_PER_COLUMN`` input samples (positions x feeds) per
+weight of an output channel: its ``H`` is then (nearly) rank-deficient, and the rounding fits those
+few inputs rather than the layer (a dense layer calibrated on 4 one-row feeds: cosine 0.983 against
+round-to-nearest's 0.996 on held-out inputs, fuzz seed 3603132).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ MAX_POSITIONS = 128  # positions per feed and layer that enter H (evenly spaced)
 MAX_COLUMNS = 32  # default: only layers with at most this many weights per output channel
 _BLOCK = 128  # columns per lazy-batch block
 MAX_STEPS = 2  # no weight moves further than this from its round-to-nearest grid point
+MIN_SAMPLES_PER_COLUMN = 2  # input samples per weight of a row below which H is too thin to round by
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +379,15 @@ def round_weights(
         if report is not None:
             report.note(f"weight rounding skipped: ONNX Runtime could not run the FP32 model ({error})")
         return 0
+    rounded = 0
     for layer, moment in zip(layers, moments):
+        columns = layer.weights.shape[1]
+        if moment.count < MIN_SAMPLES_PER_COLUMN * columns:
+            if report is not None:
+                report.refused(RULE_NAME, _where(layer.node), f"{moment.count} input samples for {columns} weights per "
+                               f"output channel (fewer than {MIN_SAMPLES_PER_COLUMN} per weight): the rounding would "
+                               "fit these calibration inputs, not the layer")
+            continue
         hessian = moment.hessian()
         if layer.rows_per_group:
             hessian = np.repeat(hessian, layer.rows_per_group, axis=0)
@@ -385,4 +398,5 @@ def round_weights(
         if report is not None:
             report.changed(RULE_NAME, _where(layer.node), f"{int(np.count_nonzero(integers != before))} of "
                            f"{integers.size} weights rounded the other way to cut the output error", exact=False)
-    return len(layers)
+        rounded += 1
+    return rounded

@@ -187,7 +187,8 @@ def test_quantize_weight_rounding_is_measured_better_on_held_out_feeds_and_repor
 
 
 def test_large_fan_in_layers_are_left_unless_asked_and_unmatched_ones_refused():
-    float_model, feeds = _stem_and_depthwise(kernel=5), _feeds(4, seed=0)  # stem: 75 weights per channel
+    # stem: 75 weights per channel, 36 positions per feed: 8 feeds give the two samples per weight it needs
+    float_model, feeds = _stem_and_depthwise(kernel=5), _feeds(8, seed=0)
     before = quantize(float_model, feeds, bias_correction=False, **_PLAIN)
     after, report = _rounded(float_model, before, feeds)
     assert report.change_counts() == {RULE_NAME: 1}  # the depthwise only
@@ -229,3 +230,29 @@ def test_inputs_gathered_from_the_calibration_run_round_as_measured_ones(monkeyp
     from_calibration, report = _rounded(float_model, quantized, feeds, gathered=gathered)
     assert from_calibration.SerializeToString() == measured.SerializeToString()
     assert any(c.rule == RULE_NAME for c in report.changes)
+
+
+def _dense(fan_in: int = 24) -> onnx.ModelProto:
+    """x [1, fan_in] -> Gemm (16 outputs) -> y: one input row per feed."""
+    rng = np.random.default_rng(1)
+    weights = numpy_helper.from_array(rng.normal(0, 1, (fan_in, 16)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Gemm", ["x", "w"], ["y"], name="dense")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, fan_in])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])], [weights])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_layer_seen_on_fewer_samples_than_twice_its_fan_in_keeps_round_to_nearest():
+    """4 feeds of one row each give a rank-4 H for 24 weights per output: rounding by it would fit
+    those 4 inputs (fuzz seed 3603132: cosine 0.983 against round-to-nearest's 0.996)."""
+    float_model = _dense()
+    rng = np.random.default_rng(2)
+    feeds = [{"x": rng.normal(0, 1, (1, 24)).astype(np.float32)} for _ in range(64)]
+    before = quantize(float_model, feeds[:4], bias_correction=False, **_PLAIN)
+    unchanged, refused = _rounded(float_model, before, feeds[:4])
+    assert [i.SerializeToString() for i in unchanged.graph.initializer] == [i.SerializeToString() for i in before.graph.initializer]
+    assert not refused.changes
+    assert any("4 input samples for 24 weights" in r.reason for r in refused.refusals if r.rule == RULE_NAME)
+    # 48 samples, two per weight: rounded
+    _, rounded = _rounded(float_model, quantize(float_model, feeds[:48], bias_correction=False, **_PLAIN), feeds[:48])
+    assert rounded.change_counts() == {RULE_NAME: 1}

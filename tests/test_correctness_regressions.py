@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
 import kenosis_rewrite
-from kenosis_rewrite import _qdq, _testing, fidelity, fuzz, guard, value_range
+from kenosis_rewrite import _qdq, _testing, fidelity, fuzz, guard, protection, value_range
 
 logging.getLogger().setLevel(logging.ERROR)
 
@@ -171,6 +171,22 @@ def test_output_protection_restores_the_clip_quantize_static_removed():
     out = _testing.outputs(quantized, feeds[4])[0]
     assert out.min() >= -1.0 and out.max() <= 1.0
     assert _cos(_testing.outputs(model, feeds[4])[0], out) > 0.999
+
+
+def test_output_protection_knows_a_deleted_relu_by_the_quantized_graph_not_a_rewrite_reusing_its_name():
+    """Fuzz seed 3604208: a rewrite (PRelu -> Relu + Min) named its new Relu as canonicalization had
+    named the float graph's Relu, so protection took the deleted Relu for present and dropped its clamp."""
+    model, feed = _reshape_relu()
+    model.graph.node[1].name = "node_Relu_0"
+    qdq = _quantize_static(model, [feed], extra_options={"ForceQuantizeNoInputCheck": True})
+    assert "Relu" not in _testing.op_types(qdq)
+    float_graph = ir.serde.deserialize_model(model).graph
+    for quantized_nodes in (None, [node.name for node in qdq.graph.node]):
+        quantized = ir.serde.deserialize_model(qdq)
+        quantized.graph.append(ir.node("Relu", [quantized.graph.inputs[0]], name="node_Relu_0"))  # another Relu, same name
+        protection.OutputProtectionPass(float_graph=float_graph, quantized_nodes=quantized_nodes)(quantized)
+        out = _testing.outputs(ir.serde.serialize_model(quantized), feed, optimized=False)[0]
+        assert (out.min() >= 0.0) == (quantized_nodes is not None)
 
 
 def test_relu_then_clip_at_the_output_comes_back_composed():
@@ -329,7 +345,7 @@ def test_fuzz_seed_that_once_failed(seed):
     assert not case.failures, [f.describe() for f in case.failures]
 
 
-@pytest.mark.parametrize("seed", [45, 20035, 3400082])
+@pytest.mark.parametrize("seed", [45, 20035, 3400082, 3603132, 3604208])
 def test_quantize_seed_that_once_failed(seed):
     case = fuzz.check_quantize_case(seed)
     assert not case.failures, [f.describe() for f in case.failures]
