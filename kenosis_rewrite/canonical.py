@@ -14,8 +14,10 @@
    past elementwise ops so NHWC Transpose pairs cancel (:mod:`rules.transpose_sinking`), per-channel
    affine arithmetic folded into Conv/Gemm weights and bias (:mod:`rules.channel_affine`), residual
    Adds read by a layer norm written as Sum, so ORT does not fuse them into its slow
-   SkipLayerNormalization (:mod:`rules.residual_sum`).
-   Then onnxruntime's basic-level optimizer (standard ops only): its transpose optimizer cancels
+   SkipLayerNormalization (:mod:`rules.residual_sum`), a Gemm's computed addend (a residual that
+   ORT's MatMulAddFusion put there) moved back into an Add, so the Gemm stays quantizable
+   (:mod:`rules.gemm_addend`).
+   Before them, onnxruntime's basic-level optimizer (standard ops only): its transpose optimizer cancels
    the NHWC Transposes around residual Adds, which local rules cannot (the Add's inputs fan out).
 4. **Declared output shapes** (``repair-declared-output-shapes``): a graph output declared with a
    shape the model does not produce (Paddle exports declare rank 0 for rank-2 outputs) gets the
@@ -61,6 +63,7 @@ from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.channel_affine import channel_affine_rules
+from kenosis_rewrite.rules.gemm_addend import gemm_addend_rules
 from kenosis_rewrite.rules.op_filter import op_filtered
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.shape_slices import shape_slice_rules
@@ -208,6 +211,7 @@ def _apply_rules(model: ir.Model, report: FixReport) -> int:
         "sink-transposes": transpose_sinking_rules(),
         "cancel-transposes": RewriteRuleSet([transpose_transpose_rule, no_op_transpose_rule]),
         "fold-channel-affine": channel_affine_rules(),
+        "split-gemm-computed-addend": gemm_addend_rules(),
         "residual-add-as-sum": residual_sum_rules(),
     }
     if model.opset_imports.get("", 0) >= _HARDSWISH_OPSET:
