@@ -19,6 +19,7 @@ from kenosis_rewrite.fuzz_models import N_CALIBRATION, random_float_model
 from kenosis_rewrite.fuzz_running import (
     all_equal,
     first_line,
+    float_weighted_ops,
     max_abs_diff,
     min_cosine,
     run_model,
@@ -43,6 +44,7 @@ CATEGORY_TITLES = (
     ("exactness_break", "exactness break (all changes exact=True)"),
     ("fidelity_drop", f"fidelity drop > {FIDELITY_TOLERANCE}"),
     ("quantize_below_plain", f"quantize() below plain > {FIDELITY_TOLERANCE}"),
+    ("integer_lost", "quantize() runs float what plain runs integer"),
     ("timeout", "case timed out (hang in fix()/quantize()?)"),
     ("harness", "harness error (bug in the fuzzer itself)"),
 )
@@ -295,6 +297,17 @@ def check_fix_case(seed: int, targets: tuple[str, ...] | None = None, verify: bo
     return case
 
 
+def _check_integer_kept(case: CaseResult, plain: onnx.ModelProto, model: onnx.ModelProto, report, rules) -> None:
+    """Where quantize() quantizes every op (the full plan), ORT must run no more Conv/Gemm/MatMul in
+    float on its model than on plain quantize_static's (graph-output producers aside: protected)."""
+    if not any(note.startswith("plan: full") for note in report.notes):
+        return
+    ours, theirs = float_weighted_ops(model.SerializeToString()), float_weighted_ops(plain.SerializeToString())
+    if len(ours) > len(theirs):
+        case.fail("integer_lost", "quantize()", f"ORT runs {len(ours)} Conv/Gemm/MatMul in float on quantize()'s model "
+                  f"({', '.join(ours)}), {len(theirs)} on plain quantize_static's", rules, float(len(ours) - len(theirs)))
+
+
 def check_quantize_case(seed: int) -> CaseResult:
     """``kenosis_rewrite.quantize()`` against plain ``quantize_static`` (u8/s8 per-channel) on case ``seed``.
 
@@ -341,5 +354,6 @@ def check_quantize_case(seed: int) -> CaseResult:
         if not result.drop <= FIDELITY_TOLERANCE:
             message = f"cosine vs FP32: quantize() {case.cos_quantize:.5f}, plain quantize_static {case.cos_plain:.5f}"
             case.fail("quantize_below_plain", "quantize()", message, sorted(result.changes), result.drop)
+        _check_integer_kept(case, plain, model, report, sorted(result.changes))
     case.seconds = time.perf_counter() - start
     return case

@@ -4,6 +4,8 @@ outputs, fidelity, interfaces and graph structure."""
 from __future__ import annotations
 
 import collections
+import os
+import tempfile
 import traceback
 
 
@@ -25,6 +27,32 @@ def run_model(model_bytes: bytes, feeds, level: str) -> tuple[list[str], list[li
     """(output names, outputs per feed) at one optimization level; raises what ORT raises."""
     session = _session(model_bytes, level)
     return [o.name for o in session.get_outputs()], [session.run(None, feed) for feed in feeds]
+
+
+# ops ORT CPU runs a Conv/Gemm/MatMul as in float (after its fusions, NCHWc layout included)
+_FLOAT_WEIGHTED_OPS = frozenset({"Conv", "FusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul"})
+
+
+def float_weighted_ops(model_bytes: bytes) -> list[str]:
+    """Names of the Conv/Gemm/MatMul nodes ORT CPU runs in float (ORT_ENABLE_ALL), those that write a
+    graph output excepted, directly or through the clamp of an activation quantize_static deleted
+    (output protection computes those in float on purpose)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "optimized.onnx")
+        _ort.session(model_bytes, _ort.options(1, optimized_path=path, log_severity=4))
+        graph = onnx.load(path).graph
+    outputs = {value.name for value in graph.output}
+    readers = collections.defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+
+    def reaches_output(name: str) -> bool:
+        return name in outputs or any(r.op_type in ("Identity", "Relu", "Clip") and reaches_output(r.output[0])
+                                      for r in readers[name])
+
+    return [node.name for node in graph.node if node.op_type in _FLOAT_WEIGHTED_OPS
+            and not any(reaches_output(name) for name in node.output)]
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -5,7 +5,9 @@
   102/127). The pair is removed: the output is the producer's float value; a Clip(0, top) stands in
   where the Q's clamp may have replaced a Relu (see :func:`passes.dequantize.remove_qdq_pair`).
   ORT then runs a MatMul/Gemm producer as MatMulIntegerToFloat/QGemm with float output and a
-  Conv producer in float: the producing op computes in float when that is what it takes.
+  Conv producer in float: the producing op computes in float when that is what it takes. Nodes
+  that also read the output tensor keep reading its quantized form (a Gemm reading a protected
+  output would otherwise run in float).
 * **Metadata-input protection** (``metadata_nodes``): float inputs that are not the image
   (scale factors, image shapes, anchors) carry a handful of exact values; quantizing them with a
   range calibrated on synthetic data corrupts them. Every node that reads a tensor computed only
@@ -93,7 +95,7 @@ class OutputProtectionPass(ir.passes.InPlacePass):
                 continue
             quantize = dq.inputs[0].producer()
             name = output.name
-            if remove_qdq_pair(quantize, self._clamp(quantize, name)):
+            if remove_qdq_pair(quantize, self._clamp(quantize, name), outputs_only=True):
                 modified = True
                 if self.report is not None:
                     self.report.changed(OUTPUT_RULE, name or "output", "graph output computed in float", exact=False)

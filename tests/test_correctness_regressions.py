@@ -189,6 +189,42 @@ def test_output_protection_knows_a_deleted_relu_by_the_quantized_graph_not_a_rew
         assert (out.min() >= 0.0) == (quantized_nodes is not None)
 
 
+def test_a_protected_output_that_a_gemm_also_reads_stays_quantized_for_the_gemm():
+    """Fuzz seed 3601662: HardSigmoid's output is a graph output and the next Gemm's input. Output
+    protection gives the output the float value and leaves the Gemm reading the quantized one, so
+    ORT still runs that Gemm as QGemm (it ran float, plain quantize_static's ran integer)."""
+    from kenosis_rewrite.fuzz_running import float_weighted_ops  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    model = _model(
+        [helper.make_node("Gemm", ["x", "w1", "b1"], ["g"], name="gemm1"),
+         helper.make_node("HardSigmoid", ["g"], ["h"], name="hardsigmoid"),
+         helper.make_node("Gemm", ["h", "w2", "b2"], ["z"], name="gemm2"),
+         helper.make_node("Relu", ["z"], ["zr"], name="relu"),
+         helper.make_node("Gemm", ["zr", "w3"], ["y"], name="gemm3")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16]), helper.make_tensor_value_info("h", TensorProto.FLOAT, [4, 32])],
+        [numpy_helper.from_array(rng.normal(0, 0.3, (32, 32)).astype(np.float32), "w1"),
+         numpy_helper.from_array(rng.normal(0, 0.1, 32).astype(np.float32), "b1"),
+         numpy_helper.from_array(rng.normal(0, 0.3, (32, 16)).astype(np.float32), "w2"),
+         numpy_helper.from_array(rng.normal(0, 0.1, 16).astype(np.float32), "b2"),
+         numpy_helper.from_array(rng.normal(0, 0.3, (16, 16)).astype(np.float32), "w3")],
+    )
+    feeds = [{"x": rng.normal(0, 1, (4, 32)).astype(np.float32)} for _ in range(9)]
+    quantized, report = kenosis_rewrite.quantize(model, calibration=feeds[:8], return_report=True)
+    assert report.change_counts().get("protect-model-outputs") == 2
+    assert float_weighted_ops(quantized.SerializeToString()) == []
+    gemm2 = _testing.node_by_name(quantized, "gemm2")
+    assert _testing.producer_of(quantized, gemm2.input[0]).op_type == "DequantizeLinear"
+    want, got = _testing.outputs(model, feeds[8]), _testing.outputs(quantized, feeds[8])
+    # the output h is not on the grid of the quantizer the Gemm reads it through
+    quantizer = _testing.producer_of(quantized, _testing.producer_of(quantized, gemm2.input[0]).input[0])
+    scale, zero_point = (float(_testing.initializer(quantized, name)) for name in quantizer.input[1:])
+    steps = got[1] / scale + zero_point
+    assert not np.allclose(steps, np.rint(steps), atol=1e-3)
+    assert _cos(want[1], got[1]) > 0.999 and _cos(want[0], got[0]) > 0.99
+
+
 def test_relu_then_clip_at_the_output_comes_back_composed():
     """Relu -> Clip(-1, 1) at the output: both deleted by quantize_static; the clamp back is [0, 1]."""
     rng = np.random.default_rng(1)
@@ -345,7 +381,7 @@ def test_fuzz_seed_that_once_failed(seed):
     assert not case.failures, [f.describe() for f in case.failures]
 
 
-@pytest.mark.parametrize("seed", [45, 20035, 3400082, 3603132, 3604208])
+@pytest.mark.parametrize("seed", [45, 20035, 3400082, 3601662, 3601678, 3603132, 3604208])
 def test_quantize_seed_that_once_failed(seed):
     case = fuzz.check_quantize_case(seed)
     assert not case.failures, [f.describe() for f in case.failures]

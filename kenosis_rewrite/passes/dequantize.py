@@ -80,8 +80,10 @@ def dequantize_constants(node: ir.Node, graph: ir.Graph, cache: dict[int, ir.Val
     return count
 
 
-def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value, names: _qdq.NameAllocator) -> None:
-    """Replace graph output ``dq.outputs[0]`` by ``Identity(source)`` under the same name."""
+def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value, names: _qdq.NameAllocator,
+                          keep_readers: bool = False) -> None:
+    """Replace graph output ``dq.outputs[0]`` by ``Identity(source)`` under the same name; the DQ's
+    other readers read ``source`` too, or, with ``keep_readers``, still the DQ (renamed)."""
     old = dq.outputs[0]
     name, value_type, shape = old.name, old.type, old.shape
     identity = ir.Node("", "Identity", [source], name=names.fresh(f"{dq.name or name}_float"))
@@ -89,8 +91,11 @@ def _forward_graph_output(graph: ir.Graph, dq: ir.Node, source: ir.Value, names:
     for index, output in enumerate(graph.outputs):
         if output is old:
             graph.outputs[index] = identity.outputs[0]
-    old.replace_all_uses_with(identity.outputs[0])
-    old.name = None
+    if keep_readers:
+        old.name = names.fresh(f"{name}_quantized")
+    else:
+        old.replace_all_uses_with(identity.outputs[0])
+        old.name = None
     identity.outputs[0].name = name
     identity.outputs[0].type, identity.outputs[0].shape = value_type, shape
 
@@ -170,7 +175,7 @@ IMPLIED = "implied"
 
 
 def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] | str | None = IMPLIED,
-                   names: _qdq.NameAllocator | None = None) -> bool:
+                   names: _qdq.NameAllocator | None = None, outputs_only: bool = False) -> bool:
     """Let the DQ consumers of ``quantize`` read its float input directly; False if not possible.
 
     The Q's clamp may stand for an activation quantize_static deleted; the float value then needs
@@ -181,7 +186,9 @@ def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] 
     artifact the float model does not have); a ``(lo, hi)`` pair is a clamp the caller knows the Q
     stood for (e.g. from the float model); None restores nothing. A DQ whose output is a graph
     output becomes an Identity of the float input (names stay). Per-axis or non-constant
-    activation parameters are left alone. ``names``: as for :func:`insert_clamp`.
+    activation parameters are left alone. ``names``: as for :func:`insert_clamp`. ``outputs_only``:
+    only graph outputs take the float value; every other reader of the DQs still reads them (a
+    protected output that a Conv/MatMul also reads must not make that op float).
     """
     output = quantize.outputs[0]
     dequantizers = _qdq.dequantize_consumers(output)
@@ -196,8 +203,8 @@ def remove_qdq_pair(quantize: ir.Node, clamp: tuple[float | None, float | None] 
         source = insert_clamp(graph, source, *clamp, params.scale.dtype, source.name or "activation", quantize, names)
     for dq in dequantizers:
         if dq.outputs[0].is_graph_output():
-            _forward_graph_output(graph, dq, source, names)
-        else:
+            _forward_graph_output(graph, dq, source, names, keep_readers=outputs_only)
+        elif not outputs_only:
             dq.outputs[0].replace_all_uses_with(source)
     return True
 
