@@ -4,7 +4,6 @@ outputs, fidelity, interfaces and graph structure."""
 from __future__ import annotations
 
 import collections
-import os
 import tempfile
 import traceback
 
@@ -13,7 +12,9 @@ import numpy as np
 import onnxruntime as ort
 import onnx
 from onnx import numpy_helper
-from kenosis_rewrite import _ort, fidelity
+import onnx_ir as ir
+
+from kenosis_rewrite import _ort, fidelity, ort_graph
 
 
 _LEVELS = {"enable_all": "all", "disable_all": "none"}
@@ -29,18 +30,12 @@ def run_model(model_bytes: bytes, feeds, level: str) -> tuple[list[str], list[li
     return [o.name for o in session.get_outputs()], [session.run(None, feed) for feed in feeds]
 
 
-# ops ORT CPU runs a Conv/Gemm/MatMul as in float (after its fusions, NCHWc layout included)
-_FLOAT_WEIGHTED_OPS = frozenset({"Conv", "FusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul"})
-
-
 def float_weighted_ops(model_bytes: bytes) -> list[str]:
     """Names of the Conv/Gemm/MatMul nodes ORT CPU runs in float (ORT_ENABLE_ALL), those that write a
     graph output excepted, directly or through the clamp of an activation quantize_static deleted
     (output protection computes those in float on purpose)."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "optimized.onnx")
-        _ort.session(model_bytes, _ort.options(1, optimized_path=path, log_severity=4))
-        graph = onnx.load(path).graph
+        graph = ort_graph.optimized_graph(ir.serde.deserialize_model(onnx.load_from_string(model_bytes)), tmp).graph
     outputs = {value.name for value in graph.output}
     readers = collections.defaultdict(list)
     for node in graph.node:
@@ -51,7 +46,7 @@ def float_weighted_ops(model_bytes: bytes) -> list[str]:
         return name in outputs or any(r.op_type in ("Identity", "Relu", "Clip") and reaches_output(r.output[0])
                                       for r in readers[name])
 
-    return [node.name for node in graph.node if node.op_type in _FLOAT_WEIGHTED_OPS
+    return [node.name for node in graph.node if node.op_type in ort_graph.FLOAT_HEAVY_KERNELS
             and not any(reaches_output(name) for name in node.output)]
 
 

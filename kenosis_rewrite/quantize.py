@@ -224,7 +224,7 @@ def _borrowed(model: onnx.ModelProto, options: Mapping, shared_ranges: bool, lay
     return {name: source for name, source in borrowed.items() if name not in kept}
 
 
-def _mark_deleted_activations(float_proto: onnx.ModelProto, quantized: ir.Model, kept: set[str]) -> int:
+def _mark_deleted_activations(float_proto: onnx.ModelProto, quantized: ir.Model, kept: set[str]) -> None:
     """Mark each Q whose clamp stands for a Relu/Clip quantize_static deleted from ``float_proto``
     (:func:`value_range.mark_deleted_activation`): a deleted ``Clip(-1, 1)`` leaves a Q whose range
     the graph cannot tell from a calibrated one, and a rewrite that folds through it (a BatchNorm
@@ -232,13 +232,10 @@ def _mark_deleted_activations(float_proto: onnx.ModelProto, quantized: ir.Model,
     output to the activation's, so the Q reads the activation's output name. ``kept``: the node
     names of quantize_static's output."""
     deleted = {node.output[0]: node.op_type for node in float_proto.graph.node
-               if node.op_type in ("Relu", "Clip") and node.domain in ("", "ai.onnx") and node.name not in kept}
-    marked = 0
+               if node.op_type in ("Relu", "Clip") and node.domain in _qdq.DEFAULT_DOMAINS and node.name not in kept}
     for node in quantized.graph:
         if _qdq.is_quantize(node) and node.inputs[0] is not None and node.inputs[0].name in deleted:
             value_range.mark_deleted_activation(node, deleted[node.inputs[0].name])
-            marked += 1
-    return marked
 
 
 def _unmark(model: ir.Model) -> None:
