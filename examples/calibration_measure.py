@@ -114,7 +114,7 @@ def fidelity_report(model_path: str, calib_photos: list, eval_photos: list, samp
             ranges = collect_ranges(model, feeds, method, progress=False)
             quantized = quantize_with_ranges(model, ranges)
             outputs = fidelity.run(quantized, eval_feeds)
-            scores = fidelity._scores(reference, outputs)
+            scores = fidelity.scores(reference, outputs)
             key = f"{method}/{source}"
             report["results"][key] = {"cosine": round(scores["cosine"], 5),
                                       "worst_cosine": round(scores["worst_cosine"], 5),

@@ -61,6 +61,7 @@ class _Layer:
     reference: str  # the FP32 layer's output
     bias: ir.Value  # the int32 constant behind the bias DequantizeLinear, or the float bias itself
     bias_scale: np.ndarray | None  # None: a float bias (NNCF keeps its biases in float)
+    original: onnx.NodeProto  # the FP32 layer
 
 
 def _where(node: ir.Node) -> str:
@@ -155,7 +156,7 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     if not same_weights(weight_dq, original, float_weights, WEIGHT_STEPS):
         return (f"the FP32 {node.op_type} {original.name or original.output[0]!r} has other weights than the "
                 "quantized one beyond rounding (folded BatchNormalization or scale?): not comparable")
-    return _Layer(node, source, original.output[0], bias, bias_scale)
+    return _Layer(node, source, original.output[0], bias, bias_scale, original)
 
 
 def _initializer(graph: ir.Graph, names: _qdq.NameAllocator, value: ir.Value | None) -> ir.Value | None:
@@ -181,8 +182,81 @@ def _names_of(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.ModelProto:
-    """The FP32 model plus, per layer, the mean (quantized - FP32) output as an extra output.
+# A pointwise Conv with fewer output channels than this per group is measured by a copy: its
+# products cost less than the error tensor's passes (PP-OCRv4 det's narrow 1x1 Convs at full size).
+MIN_TAPPED_OUTPUTS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Means:
+    """A layer that :func:`_probe` measures by the means of what it reads (see :func:`_mean_plan`):
+    a pointwise Conv's ``group``, or a Gemm's ``alpha`` and ``transB``."""
+
+    group: int = 1
+    alpha: float = 1.0
+    trans_b: int = 0
+
+
+def _reads(attributes: Mapping, op_type: str, weight_shape: Sequence[int]) -> _Means | str:
+    """How a layer with these attributes reads its input, or why it is not one :func:`_probe`
+    measures by its input means (a Conv that is not pointwise, a Gemm whose ``beta`` scales the bias)."""
+    if op_type == "Gemm":
+        if float(attributes.get("beta", 1.0)) != 1.0:
+            return "Gemm beta"
+        return _Means(alpha=float(attributes.get("alpha", 1.0)), trans_b=int(attributes.get("transB", 0)))
+    if len(weight_shape) != 4 or tuple(weight_shape[2:]) != (1, 1):
+        return "not a pointwise 2-D Conv"
+    auto_pad = attributes.get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad not in ("NOTSET", "VALID") or any(attributes.get("pads", ())) or any(
+            int(v) != 1 for v in attributes.get("strides", ())):
+        return "padded or strided"
+    return _Means(group=int(attributes.get("group", 1)))
+
+
+def _float_attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _ir_attributes(node: ir.Node) -> dict:
+    return {name: attr.value for name, attr in node.attributes.items()}
+
+
+def _mean_plan(layer: _Layer, float_weights: Mapping[str, onnx.TensorProto]) -> _Means | None:
+    """How :func:`_probe` measures ``layer`` from its input alone, or None: then the probe runs a
+    quantized copy of the layer instead.
+
+    A layer's mean output is linear in its input's mean: with ``m_x`` the mean over positions (and
+    rows) of each channel of the FP32 input and ``m_e`` that of its quantization error
+    ``DQ(Q(x)) - x``,
+
+        shift = alpha * (W_q . m_e + (W_q - W) . m_x) + (b_q - b)
+
+    which equals the mean of ``layer(DQ(Q(x))) - float layer(x)`` (the copy's measurement) in
+    exact arithmetic; both are float sums, neither bit for bit the other. The means need one
+    subtraction and a mean over the input, a copy the layer's products: used for Gemms and for
+    pointwise Convs (1x1, unpadded, stride 1) with at least ``MIN_TAPPED_OUTPUTS`` output channels
+    per group, where the FP32 layer has the same attributes and a constant bias."""
+    original = layer.original
+    weight_shape = [int(d) for d in float_weights[original.input[1]].dims]
+    plan = _reads(_ir_attributes(layer.node), layer.node.op_type, weight_shape)
+    if isinstance(plan, str) or plan != _reads(_float_attributes(original), original.op_type, weight_shape):
+        return None
+    outputs = weight_shape[0] if layer.node.op_type == "Conv" or plan.trans_b else weight_shape[1]
+    if len(original.input) > 2 and original.input[2]:
+        bias = float_weights.get(original.input[2])
+        if bias is None or int(np.prod(bias.dims)) not in (1, outputs):
+            return None
+    if layer.node.op_type == "Conv" and outputs // plan.group < MIN_TAPPED_OUTPUTS:
+        return None
+    return plan
+
+
+def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequence[_Means | None]) -> onnx.ModelProto:
+    """The FP32 model plus, per layer, an extra output the layer's mean shift is computed from:
+    where ``plans`` has a plan, its FP32 input and that input's quantization error as channels
+    ``[x; e]`` (Conv: their mean over positions, (N, 2C, 1, 1); Gemm: the (N, 2K) rows
+    themselves); otherwise the mean of (quantized copy - FP32 layer) over positions.
 
     The additions are built in a scratch graph, serialised alone and appended to a copy of
     ``float_proto`` (the FP32 model is not converted to onnx_ir and back)."""
@@ -201,7 +275,7 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.Model
         graph.append(node)
         return node.outputs[0]
 
-    for layer in layers:
+    for layer, plan in zip(layers, plans):
         node = layer.node
         input_dq, weight_dq, bias_dq = (value.producer() for value in node.inputs[:3])
         quantize = input_dq.inputs[0].producer()
@@ -210,13 +284,19 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.Model
             params = [_initializer(graph, names, v) for v in dq_or_q.inputs[1:]]
             return add(_copied(dq_or_q, [data, *params]))
 
-        x = copy(input_dq, copy(quantize, fp32(layer.source)))
-        weights = copy(weight_dq, _initializer(graph, names, weight_dq.inputs[0]))
-        bias = (_initializer(graph, names, node.inputs[2]) if layer.bias_scale is None
-                else copy(bias_dq, _initializer(graph, names, bias_dq.inputs[0])))
-        result = add(ir.node("Sub", [add(_copied(node, [x, weights, bias])), fp32(layer.reference)]))
-        if node.op_type == "Conv":
-            result = add(ir.node("GlobalAveragePool", [result]))
+        x = fp32(layer.source)
+        quantized_x = copy(input_dq, copy(quantize, x))
+        if plan is not None:
+            result = add(ir.node("Concat", [x, add(ir.node("Sub", [quantized_x, x]))], attributes={"axis": 1}))
+            if node.op_type == "Conv":
+                result = add(ir.node("GlobalAveragePool", [result]))
+        else:
+            weights = copy(weight_dq, _initializer(graph, names, weight_dq.inputs[0]))
+            bias = (_initializer(graph, names, node.inputs[2]) if layer.bias_scale is None
+                    else copy(bias_dq, _initializer(graph, names, bias_dq.inputs[0])))
+            result = add(ir.node("Sub", [add(_copied(node, [quantized_x, weights, bias])), fp32(layer.reference)]))
+            if node.op_type == "Conv":
+                result = add(ir.node("GlobalAveragePool", [result]))
         result.name = names.fresh(f"kenosis_bias_shift_{len(float_proto.graph.output) + len(graph.outputs)}")
         graph.outputs.append(result)
     additions = ir.serde.serialize_graph(graph)
@@ -228,16 +308,57 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer]) -> onnx.Model
     return probe
 
 
-def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> list[np.ndarray]:
-    """Per layer, the per-channel mean shift of each feed: an array (feeds, channels)."""
+def _dequantized_weights(layer: _Layer) -> np.ndarray:
+    weight_dq = layer.node.inputs[1].producer()
+    return _qdq.dequantize_array(_qdq.const_array(weight_dq.inputs[0]), _qdq.quant_params(weight_dq)).astype(np.float64)
+
+
+def _layer_bias(layer: _Layer) -> np.ndarray:
+    """The quantized layer's bias, dequantized, float64, flat."""
+    bias = layer.bias.const_value.numpy().astype(np.float64).reshape(-1)
+    return bias if layer.bias_scale is None else bias * layer.bias_scale
+
+
+def _measured_shifts(layer: _Layer, plan: _Means, float_weights: Mapping[str, onnx.TensorProto],
+                     runs: Sequence[np.ndarray]) -> np.ndarray:
+    """Per feed, the per-channel mean shift of ``layer`` from its probe outputs (see :func:`_mean_plan`)."""
+    original = layer.original
+    weights = onnx.numpy_helper.to_array(float_weights[original.input[1]]).astype(np.float64)
+    quantized = _dequantized_weights(layer)
+    if layer.node.op_type == "Gemm" and not plan.trans_b:
+        weights, quantized = weights.T, quantized.T  # (outputs, inputs) like a Conv's
+    outputs, group = weights.shape[0], plan.group
+    weights, quantized = (w.reshape(group, outputs // group, -1) for w in (weights, quantized))
+    has_bias = len(original.input) > 2 and original.input[2]
+    float_bias = (onnx.numpy_helper.to_array(float_weights[original.input[2]]).astype(np.float64).reshape(-1)
+                  if has_bias else np.zeros(1))
+    bias_shift = np.broadcast_to(_layer_bias(layer), (outputs,)) - np.broadcast_to(float_bias, (outputs,))
+    shifts = []
+    for run in runs:
+        means = np.asarray(run, np.float64).reshape(run.shape[0], run.shape[1], -1).mean(axis=(0, 2)) \
+            if run.ndim > 2 else np.asarray(run, np.float64).reshape(-1, run.shape[-1]).mean(axis=0)
+        channels = means.size // 2
+        x, error = (m.reshape(group, channels // group) for m in (means[:channels], means[channels:]))
+        products = np.einsum("goc,gc->go", quantized, error) + np.einsum("goc,gc->go", quantized - weights, x)
+        shifts.append(plan.alpha * products.reshape(-1) + bias_shift)
+    return np.stack(shifts)
+
+
+def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds, by_means: bool = True) -> list[np.ndarray]:
+    """Per layer, the per-channel mean shift of each feed: an array (feeds, channels).
+    ``by_means=False`` measures every layer with a quantized copy (see :func:`_mean_plan`)."""
+    float_weights = {init.name: init for init in float_proto.graph.initializer}
+    plans = [_mean_plan(layer, float_weights) if by_means else None for layer in layers]
     at_once = fidelity.concurrent_runs(len(feeds))
-    session = fidelity.session(_probe(float_proto, layers), at_once=at_once)
+    session = fidelity.session(_probe(float_proto, layers, plans), at_once=at_once)
     wanted = [o.name for o in session.get_outputs()][-len(layers):]
     per_feed: list[list[np.ndarray]] = [[] for _ in layers]
     for run in fidelity.each_run(session, feeds, at_once, wanted):
-        for i, shift in enumerate(run):
-            per_feed[i].append(shift.reshape(shift.shape[0], shift.shape[1], -1).mean(axis=(0, 2), dtype=np.float64))
-    return [np.stack(shifts) for shifts in per_feed]
+        for i, (output, plan) in enumerate(zip(run, plans)):
+            per_feed[i].append(output if plan is not None else
+                               output.reshape(output.shape[0], output.shape[1], -1).mean(axis=(0, 2), dtype=np.float64))
+    return [_measured_shifts(layer, plan, float_weights, outputs) if plan is not None else np.stack(outputs)
+            for layer, plan, outputs in zip(layers, plans, per_feed)]
 
 
 def _significant_mean(samples: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite import _qdq, _testing, fidelity, ort_quantize, toy_models
 from kenosis_rewrite.bias_correction import (
-    RULE_NAME, SIGNIFICANCE_Z, _layer, _shifts, correct_biases, first_input_readers,
+    MIN_TAPPED_OUTPUTS, RULE_NAME, SIGNIFICANCE_Z, _layer, _mean_plan, _shifts, correct_biases, first_input_readers,
 )
 from kenosis_rewrite.quantize import quantize
 from kenosis_rewrite.report import FixReport
@@ -187,3 +187,67 @@ def test_a_measurement_that_cannot_run_leaves_the_model_as_quantized_and_says_wh
     after, report = _corrected(float_model, quantized, wrong_feeds)
     assert _nodes_and_initializers(after) == _nodes_and_initializers(quantized)
     assert not report.changes and any(n.startswith("bias correction skipped: ONNX Runtime") for n in report.notes)
+
+
+def _random_layer(seed: int) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """x -> one Conv (1x1 or 3x3, groups, output channels around ``MIN_TAPPED_OUTPUTS``, some padded
+    or strided) or Gemm (transB, alpha, some with beta) with a bias -> y, and non-zero-mean feeds."""
+    rng = np.random.default_rng(seed)
+    if seed % 4 == 3:
+        rows, inputs, outputs = int(rng.integers(1, 5)), int(rng.integers(3, 12)), int(rng.integers(3, 10))
+        trans_b = int(rng.integers(0, 2))
+        weights = rng.normal(0, 0.5, (outputs, inputs) if trans_b else (inputs, outputs)).astype(np.float32)
+        node = helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="layer", transB=trans_b, alpha=float(rng.uniform(0.5, 2)),
+                                beta=float(rng.choice([1.0, 1.0, 1.5])))  # quantize_static folds a beta into the bias
+        shape, out_shape = [rows, inputs], [rows, outputs]
+    else:
+        group = int(rng.choice([1, 2]))
+        inputs, outputs = group * int(rng.integers(2, 5)), group * int(rng.choice([8, 32, 40]))
+        kernel = [1, 1] if rng.random() < 0.8 else [3, 3]
+        weights = rng.normal(0, 0.5, (outputs, inputs // group, *kernel)).astype(np.float32)
+        attributes = {"group": group}
+        if rng.random() < 0.2:
+            attributes["auto_pad"] = "VALID"
+        elif rng.random() < 0.3:
+            attributes["pads"] = [int(v) for v in rng.integers(0, 2, 4)]
+            attributes["strides"] = [int(v) for v in rng.integers(1, 3, 2)]
+        node = helper.make_node("Conv", ["x", "w", "b"], ["y"], name="layer", **attributes)
+        shape, out_shape = [int(rng.integers(1, 3)), inputs, int(rng.integers(9, 15)), int(rng.integers(9, 15))], None
+    initializers = [numpy_helper.from_array(weights, "w"),
+                    numpy_helper.from_array(rng.normal(0, 0.1, outputs).astype(np.float32), "b")]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    offset = rng.normal(0, 1, (1, inputs) + (1,) * (len(shape) - 2)).astype(np.float32)
+    feeds = [{"x": (rng.normal(0, 1, shape) + offset).astype(np.float32)} for _ in range(4)]
+    return model, feeds
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_input_means_measure_the_same_shift_as_a_quantized_copy(seed):
+    """The measurement from input means (no copy of the layer) against the copy's, on generated
+    layers and quantize_static configurations: equal within float rounding; layers it does not
+    apply to (padded, strided, 3x3, narrow, Gemm beta) are measured by the copy."""
+    float_model, feeds = _random_layer(seed)
+    quantized = ort_quantize.quantize_with_ort(float_model, feeds, ["default", "u8s8_pc", "pc"][seed % 3])
+    model = ir.serde.deserialize_model(quantized)
+    float_weights = {i.name: i for i in float_model.graph.initializer}
+    layer = _layer(next(n for n in model.graph if n.op_type in ("Conv", "Gemm")), first_input_readers(float_model), float_weights)
+    assert not isinstance(layer, str), layer
+    node = float_model.graph.node[0]
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    weights = _testing.initializer(float_model, "w")
+    if node.op_type == "Gemm":
+        applies = attributes["beta"] == 1.0
+        outputs = weights.shape[0] if attributes["transB"] else weights.shape[1]
+    else:
+        applies = (weights.shape[2:] == (1, 1) and not any(attributes.get("pads", ())) and
+                   all(v == 1 for v in attributes.get("strides", ())) and weights.shape[0] // attributes["group"] >= MIN_TAPPED_OUTPUTS)
+        outputs = weights.shape[0]
+    assert (_mean_plan(layer, float_weights) is not None) == applies
+    by_means, = _shifts(float_model, [layer], feeds)
+    copied, = _shifts(float_model, [layer], feeds, by_means=False)
+    assert by_means.shape == copied.shape == (len(feeds), outputs)
+    # float32 sums over a few hundred positions, of outputs of magnitude ~1: far below one bias step
+    np.testing.assert_allclose(by_means, copied, rtol=0, atol=2e-5 + 1e-4 * np.abs(copied).max())
+    assert np.abs(copied).max() > 1e-4  # there was a shift to measure

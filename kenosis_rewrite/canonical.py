@@ -422,6 +422,12 @@ def prepare_serialized(
     tensors it names of the prepared model on each feed, from the verification's runs; it keeps
     them when the prepared model is returned (it is told to discard them otherwise)."""
     feeds = list(feeds) if feeds is not None else None
+    if verify and reference is None and feeds:
+        reference = fidelity.ReferenceRuns(original, feeds)
+    if verify and reference is not None:
+        # the original's runs the verification compares with first, made while canonicalize() holds
+        # a core with Python
+        reference.prefetch((True, VERIFY_FEEDS))
     work = ir.serde.deserialize_model(original)
     if input_shapes is not None:
         shapes, source = {name: list(dims) for name, dims in input_shapes.items()}, "given input_shapes"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 import onnx
@@ -14,7 +15,10 @@ import onnxruntime as ort
 from kenosis_rewrite import _io, _ort
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
-__all__ = ["random_feeds", "session", "concurrent_runs", "each_run", "run", "ReferenceRuns", "cosine", "sqnr_db", "compare_to_float", "compare_to_reference"]
+__all__ = ["random_feeds", "session", "concurrent_runs", "each_run", "run", "ReferenceRuns", "Background", "cosine",
+           "sqnr_db", "scores", "compare_to_float", "compare_to_reference"]
+
+_Result = TypeVar("_Result")
 
 _NUMPY_OF_ONNX = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -108,12 +112,22 @@ def _session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: in
 
 def run(
     model: onnx.ModelProto | bytes, feeds: Iterable[Mapping[str, np.ndarray]], optimized: bool = True,
+    one_core: bool = False,
 ) -> list[list[np.ndarray]]:
     """Outputs of ``model`` (a proto or its serialisation) on each feed (a :func:`session`;
-    ``optimized=False``: the graph as written), several feeds at once (:func:`concurrent_runs`)."""
+    ``optimized=False``: the graph as written), several feeds at once (:func:`concurrent_runs`);
+    ``one_core``: one feed after another on one thread (runs made beside other work, see
+    :class:`Background`)."""
     feeds = list(feeds)
-    at_once = concurrent_runs(len(feeds))
-    session = _session(model, optimized, at_once)
+    if one_core:
+        try:
+            session = _ort.session(model, _ort.options(1, level="all" if optimized else "none", spinning=False))
+        except Exception as error:  # noqa: BLE001
+            raise RuntimeMeasurementError(f"ONNX Runtime could not load the model: {error}") from None
+        at_once = 1
+    else:
+        at_once = concurrent_runs(len(feeds))
+        session = _session(model, optimized, at_once)
     try:
         return each_run(session, feeds, at_once)
     except Exception as error:  # noqa: BLE001
@@ -132,16 +146,54 @@ class ReferenceRuns:
         self.feeds = list(feeds)
         self._done: dict[bool, list[list[np.ndarray]]] = {}
         self._serialised: bytes | None = None  # once for every session
+        self._prefetching: Background | None = None
 
-    def outputs(self, optimized: bool = True, count: int | None = None) -> list[list[np.ndarray]]:
+    def prefetch(self, *wanted: tuple[bool, int]) -> None:
+        """Start, on one core beside the caller's own work (:class:`Background`), the runs that
+        ``outputs(optimized, count)`` returns for each ``(optimized, count)`` of ``wanted``;
+        :meth:`outputs` waits for them (a run that failed is made, and fails, again there)."""
+        self.wait()
+        self._prefetching = Background(lambda: [self._outputs(optimized, count, True) for optimized, count in wanted])
+
+    def wait(self) -> None:
+        """Wait for the runs :meth:`prefetch` started."""
+        prefetching, self._prefetching = self._prefetching, None
+        if prefetching is not None:
+            try:
+                prefetching.result()
+            except RuntimeMeasurementError:
+                pass  # outputs() runs that feed again and raises it to the caller who asks
+
+    def outputs(self, optimized: bool = True, count: int | None = None, one_core: bool = False) -> list[list[np.ndarray]]:
         """Outputs on the first ``count`` feeds (all by default), as :func:`run` gives them."""
+        self.wait()
+        return self._outputs(optimized, count, one_core)
+
+    def _outputs(self, optimized: bool, count: int | None, one_core: bool) -> list[list[np.ndarray]]:
         count = len(self.feeds) if count is None else min(count, len(self.feeds))
         done = self._done.setdefault(optimized, [])
         if len(done) < count:
             if self._serialised is None:
                 self._serialised = self.model.SerializeToString()
-            done.extend(run(self._serialised, self.feeds[len(done):count], optimized))
+            done.extend(run(self._serialised, self.feeds[len(done):count], optimized, one_core))
         return done[:count]
+
+
+class Background(Generic[_Result]):
+    """``work()`` started now on a worker thread; :meth:`result` waits for it and returns what it
+    returned, or raises what it raised.
+
+    For ONNX Runtime runs (:func:`run` with ``one_core``) made while the caller's own work holds one
+    core with Python (graph passes): onnxruntime releases the GIL while it computes, so on a
+    two-core machine the runs take the idle core. What ``work`` reads must not change meanwhile."""
+
+    def __init__(self, work: Callable[[], _Result]):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fidelity-background")
+        self._future = self._pool.submit(work)
+        self._pool.shutdown(wait=False)  # the thread ends with the work
+
+    def result(self) -> _Result:
+        return self._future.result()
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -167,27 +219,42 @@ def sqnr_db(reference: np.ndarray, candidate: np.ndarray) -> float:
     return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))
 
 
-def _scores(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> dict[str, float]:
-    """Cosine and SQNR over all feeds' float outputs together, worst per-feed cosine, max abs error."""
-    refs, outs, per_feed = [], [], []
+def scores(reference: Sequence[Sequence[np.ndarray]], outputs: Sequence[Sequence[np.ndarray]]) -> dict[str, float]:
+    """Cosine and SQNR over all feeds' float outputs together, worst per-feed cosine, max abs error.
+
+    Float64 sums a feed at a time, added up over the feeds (one pass over each output, no
+    concatenated copy: a text detector's 8 probability maps are 7 M values)."""
+    totals = np.zeros(4)  # sum ref*out, ref*ref, out*out, (ref - out)^2
+    per_feed, max_abs = [], 0.0
     for ref_outputs, candidate_outputs in zip(reference, outputs):
-        pairs = [(np.asarray(r, np.float64).reshape(-1), np.asarray(c, np.float64).reshape(-1))
-                 for r, c in zip(ref_outputs, candidate_outputs) if np.issubdtype(np.asarray(r).dtype, np.floating)]
+        sums = np.zeros(4)
+        pairs = [(r, c) for r, c in zip(ref_outputs, candidate_outputs) if np.issubdtype(np.asarray(r).dtype, np.floating)]
         if not pairs:
             continue
-        ref, out = np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
-        refs.append(ref)
-        outs.append(out)
-        per_feed.append(cosine(ref, out))
-    if not refs:
+        for r, c in pairs:
+            r, c = np.asarray(r, np.float64).reshape(-1), np.asarray(c, np.float64).reshape(-1)
+            difference = r - c
+            sums += (np.sum(r * c), np.sum(r * r), np.sum(c * c), np.sum(difference * difference))
+            max_abs = max(max_abs, float(np.max(np.abs(difference), initial=0.0)))
+        per_feed.append(_cosine_of_sums(sums))
+        totals += sums
+    if not per_feed:
         return {"cosine": 1.0, "worst_cosine": 1.0, "sqnr_db": float("inf"), "max_abs": 0.0}
-    ref, out = np.concatenate(refs), np.concatenate(outs)
+    noise = totals[3]
     return {
-        "cosine": cosine(ref, out),
+        "cosine": _cosine_of_sums(totals),
         "worst_cosine": float(min(per_feed)),
-        "sqnr_db": sqnr_db(ref, out),
-        "max_abs": float(np.max(np.abs(ref - out), initial=0.0)),
+        "sqnr_db": float("inf") if noise == 0 else float(10 * np.log10(totals[1] / noise)),
+        "max_abs": max_abs,
     }
+
+
+def _cosine_of_sums(sums: np.ndarray) -> float:
+    """:func:`cosine` from the sums of a*b, a*a, b*b and (a-b)^2."""
+    denominator = np.sqrt(sums[1]) * np.sqrt(sums[2])
+    if denominator == 0:
+        return 1.0 if sums[3] == 0 else 0.0
+    return float(sums[0] / denominator)
 
 
 def compare_to_float(
@@ -196,7 +263,7 @@ def compare_to_float(
     feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
     optimized: bool = True,
 ) -> dict[str, dict[str, float]]:
-    """Fidelity of each candidate's float outputs against FP32 (see ``_scores``). ``optimized=False``
+    """Fidelity of each candidate's float outputs against FP32 (see :func:`scores`). ``optimized=False``
     compares what the graphs compute, without ORT's (host-dependent) integer kernels."""
     loaded = _io.load(float_model, require_qdq=False)
     reference_model = _io.to_output(_io.LoadedModel(loaded.model, "proto"))
@@ -212,7 +279,7 @@ def compare_to_reference(
     FP32 runs reused where they were made already."""
     expected = reference.outputs(optimized, count)
     feeds = reference.feeds[: len(expected)]
-    return {name: _scores(expected, run(model, feeds, optimized)) for name, model in candidates.items()}
+    return {name: scores(expected, run(model, feeds, optimized)) for name, model in candidates.items()}
 
 
 # ------------------------------------------------------------------ per-output fidelity (the benchmark's)

@@ -188,7 +188,7 @@ def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = 
 
 def _cosine(reference: list[list[np.ndarray]], proto: onnx.ModelProto, feeds) -> float:
     outputs = fidelity.run(proto, feeds)
-    return fidelity._scores(reference, outputs)["cosine"]
+    return fidelity.scores(reference, outputs)["cosine"]
 
 
 def select_fp32_layers(

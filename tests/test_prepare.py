@@ -123,7 +123,8 @@ def test_verification_compares_the_graphs_as_written_when_the_optimized_runs_dif
     feeds = _feeds([1, toy_models.C, 16, 16])
     runs = []
     real_run = canonical.fidelity.run
-    monkeypatch.setattr(canonical.fidelity, "run", lambda m, f, optimized=True: runs.append(optimized) or real_run(m, f, optimized))
+    monkeypatch.setattr(canonical.fidelity, "run", lambda m, f, optimized=True, one_core=False: runs.append(optimized)
+                        or real_run(m, f, optimized, one_core))
     _, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert any("both optimized as onnxruntime runs them" in note for note in report.notes)
     assert False not in runs  # the optimized runs verified: no graph ran as written

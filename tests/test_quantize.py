@@ -228,15 +228,47 @@ def test_reference_runs_run_each_feed_once_per_setting_and_score_as_compare_to_f
     runs = fidelity.ReferenceRuns(float_model, feeds)
     calls = []
     real_run = fidelity.run
-    monkeypatch.setattr(fidelity, "run", lambda model, f, optimized=True: calls.append((len(list(f)), optimized))
-                        or real_run(model, f, optimized))
+    monkeypatch.setattr(fidelity, "run", lambda model, f, optimized=True, one_core=False: calls.append(
+        (len(list(f)), optimized, one_core)) or real_run(model, f, optimized, one_core))
     assert len(runs.outputs(True, count=2)) == 2
     assert len(runs.outputs(True)) == 5 and len(runs.outputs(False)) == 5
     runs.outputs(True, count=3)
-    assert calls == [(2, True), (3, True), (5, False)]  # only the feeds not run yet
+    assert calls == [(2, True, False), (3, True, False), (5, False, False)]  # only the feeds not run yet
     monkeypatch.setattr(fidelity, "run", real_run)
     shared = fidelity.compare_to_reference(runs, {"q": candidate}, count=4)
     assert shared == fidelity.compare_to_float(float_model, {"q": candidate}, feeds[:4])
+
+
+def test_prefetched_reference_runs_are_the_runs_outputs_returns(monkeypatch):
+    """prefetch() makes, on a worker thread and one core, the runs outputs() would make; outputs()
+    waits for them and makes only what is still missing; the outputs are those of plain runs."""
+    float_model = toy_models.build("conv_add_relu")
+    feeds = toy_models.random_feeds(float_model, 5)
+    plain = fidelity.ReferenceRuns(float_model, feeds)
+    expected = {optimized: plain.outputs(optimized) for optimized in (True, False)}
+    runs = fidelity.ReferenceRuns(float_model, feeds)
+    calls = []
+    real_run = fidelity.run
+    monkeypatch.setattr(fidelity, "run", lambda model, f, optimized=True, one_core=False: calls.append(
+        (len(list(f)), optimized, one_core)) or real_run(model, f, optimized, one_core))
+    runs.prefetch((True, 2), (False, 2))
+    assert len(runs.outputs(True, count=2)) == 2
+    assert calls == [(2, True, True), (2, False, True)]
+    for optimized in (True, False):
+        for got, want in zip(runs.outputs(optimized), expected[optimized]):
+            assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert calls[2:] == [(3, True, False), (3, False, False)]
+
+
+def test_prefetched_runs_that_fail_raise_when_asked_for():
+    float_model = toy_models.build("conv_add_relu")
+    wrong = [{"x": np.zeros((1, 1, 2, 2), np.float32)}]  # ORT refuses the shape
+    runs = fidelity.ReferenceRuns(float_model, wrong)
+    runs.prefetch((True, 1))
+    with pytest.raises(RuntimeMeasurementError):
+        runs.outputs(True)
+    with pytest.raises(ZeroDivisionError):
+        fidelity.Background(lambda: 1 / 0).result()
 
 
 def _activation_chains() -> onnx.ModelProto:
