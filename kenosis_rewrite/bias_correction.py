@@ -11,7 +11,10 @@ default, after Nagel et al., "Data-Free Quantization", 2019) measures it per lay
 where ``x`` is the layer's FP32 input on the calibration feeds. Every layer sees the FP32 input, so
 each correction is independent of the others and one ONNX Runtime session measures them all: the
 FP32 graph with, beside every corrected layer, a copy of the quantized layer reading the same
-input, and ``GlobalAveragePool(quantized - float)`` as an extra output (streamed, one feed at a time).
+input, and ``GlobalAveragePool(quantized - float)`` as an extra output (streamed, one feed at a
+time); Gemms and wide pointwise Convs are measured from the means of their input and of its
+quantization error instead, which equals the copy's measurement in exact arithmetic and costs no
+copy of the layer (:func:`_mean_plan`).
 
 Approximate by nature (not exact): it changes the model's outputs, by design towards FP32 on
 average. The bound it keeps: each channel's bias moves by the measured shift rounded to the bias
