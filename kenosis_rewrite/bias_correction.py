@@ -209,16 +209,16 @@ def _reads(attributes: Mapping, op_type: str, weight_shape: Sequence[int]) -> _M
         return _Means(alpha=float(attributes.get("alpha", 1.0)), trans_b=int(attributes.get("transB", 0)))
     if len(weight_shape) != 4 or tuple(weight_shape[2:]) != (1, 1):
         return "not a pointwise 2-D Conv"
-    auto_pad = attributes.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad not in ("NOTSET", "VALID") or any(attributes.get("pads", ())) or any(
+    if attributes.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or any(attributes.get("pads", ())) or any(
             int(v) != 1 for v in attributes.get("strides", ())):
         return "padded or strided"
     return _Means(group=int(attributes.get("group", 1)))
 
 
-def _float_attributes(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+def float_attributes(node: onnx.NodeProto) -> dict:
+    """An FP32 node's attributes by name, strings decoded (as onnx_ir gives them)."""
+    values = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    return {name: value.decode() if isinstance(value, bytes) else value for name, value in values.items()}
 
 
 def _ir_attributes(node: ir.Node) -> dict:
@@ -243,7 +243,7 @@ def _mean_plan(layer: _Layer, float_weights: Mapping[str, onnx.TensorProto]) -> 
     original = layer.original
     weight_shape = [int(d) for d in float_weights[original.input[1]].dims]
     plan = _reads(_ir_attributes(layer.node), layer.node.op_type, weight_shape)
-    if isinstance(plan, str) or plan != _reads(_float_attributes(original), original.op_type, weight_shape):
+    if isinstance(plan, str) or plan != _reads(float_attributes(original), original.op_type, weight_shape):
         return None
     outputs = weight_shape[0] if layer.node.op_type == "Conv" or plan.trans_b else weight_shape[1]
     if len(original.input) > 2 and original.input[2]:
@@ -291,15 +291,13 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequen
         quantized_x = copy(input_dq, copy(quantize, x))
         if plan is not None:
             result = add(ir.node("Concat", [x, add(ir.node("Sub", [quantized_x, x]))], attributes={"axis": 1}))
-            if node.op_type == "Conv":
-                result = add(ir.node("GlobalAveragePool", [result]))
         else:
             weights = copy(weight_dq, _initializer(graph, names, weight_dq.inputs[0]))
             bias = (_initializer(graph, names, node.inputs[2]) if layer.bias_scale is None
                     else copy(bias_dq, _initializer(graph, names, bias_dq.inputs[0])))
             result = add(ir.node("Sub", [add(_copied(node, [quantized_x, weights, bias])), fp32(layer.reference)]))
-            if node.op_type == "Conv":
-                result = add(ir.node("GlobalAveragePool", [result]))
+        if node.op_type == "Conv":
+            result = add(ir.node("GlobalAveragePool", [result]))
         result.name = names.fresh(f"kenosis_bias_shift_{len(float_proto.graph.output) + len(graph.outputs)}")
         graph.outputs.append(result)
     additions = ir.serde.serialize_graph(graph)
@@ -323,8 +321,9 @@ def _layer_bias(layer: _Layer) -> np.ndarray:
 
 
 def _measured_shifts(layer: _Layer, plan: _Means, float_weights: Mapping[str, onnx.TensorProto],
-                     runs: Sequence[np.ndarray]) -> np.ndarray:
-    """Per feed, the per-channel mean shift of ``layer`` from its probe outputs (see :func:`_mean_plan`)."""
+                     per_feed_means: Sequence[np.ndarray]) -> np.ndarray:
+    """Per feed, the per-channel mean shift of ``layer`` from its probe output's channel means,
+    ``[m_x; m_e]`` (see :func:`_mean_plan`)."""
     original = layer.original
     weights = onnx.numpy_helper.to_array(float_weights[original.input[1]]).astype(np.float64)
     quantized = _dequantized_weights(layer)
@@ -337,9 +336,7 @@ def _measured_shifts(layer: _Layer, plan: _Means, float_weights: Mapping[str, on
                   if has_bias else np.zeros(1))
     bias_shift = np.broadcast_to(_layer_bias(layer), (outputs,)) - np.broadcast_to(float_bias, (outputs,))
     shifts = []
-    for run in runs:
-        means = np.asarray(run, np.float64).reshape(run.shape[0], run.shape[1], -1).mean(axis=(0, 2)) \
-            if run.ndim > 2 else np.asarray(run, np.float64).reshape(-1, run.shape[-1]).mean(axis=0)
+    for means in per_feed_means:
         channels = means.size // 2
         x, error = (m.reshape(group, channels // group) for m in (means[:channels], means[channels:]))
         products = np.einsum("goc,gc->go", quantized, error) + np.einsum("goc,gc->go", quantized - weights, x)
@@ -357,11 +354,11 @@ def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds, by_me
     wanted = [o.name for o in session.get_outputs()][-len(layers):]
     per_feed: list[list[np.ndarray]] = [[] for _ in layers]
     for run in fidelity.each_run(session, feeds, at_once, wanted):
-        for i, (output, plan) in enumerate(zip(run, plans)):
-            per_feed[i].append(output if plan is not None else
-                               output.reshape(output.shape[0], output.shape[1], -1).mean(axis=(0, 2), dtype=np.float64))
-    return [_measured_shifts(layer, plan, float_weights, outputs) if plan is not None else np.stack(outputs)
-            for layer, plan, outputs in zip(layers, plans, per_feed)]
+        for i, output in enumerate(run):
+            # per channel, the mean over the batch and positions (a Conv's) or rows (a Gemm's)
+            per_feed[i].append(output.reshape(output.shape[0], output.shape[1], -1).mean(axis=(0, 2), dtype=np.float64))
+    return [_measured_shifts(layer, plan, float_weights, means) if plan is not None else np.stack(means)
+            for layer, plan, means in zip(layers, plans, per_feed)]
 
 
 def _significant_mean(samples: np.ndarray) -> np.ndarray:

@@ -77,16 +77,18 @@ def concurrent_runs(feeds: int) -> int:
     return max(1, min(feeds, cores(), _MAX_CONCURRENT_RUNS))
 
 
-def session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: int = 1) -> ort.InferenceSession:
+def session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: int = 1,
+            one_core: bool = False) -> ort.InferenceSession:
     """An ORT CPU session for computing outputs, not timing them: every core, idle threads sleep
     (:func:`kenosis_rewrite._ort.options`); ``optimized=False`` runs the graph as written
     (ORT_DISABLE_ALL). ``model``: a proto or its serialisation (for a model run more than once:
     serialising a large model costs as much as loading it). ``at_once``: the runs :func:`each_run`
-    will make at once; the cores are shared between them.
+    will make at once; the cores are shared between them. ``one_core``: one thread (runs made
+    beside other work, see :class:`Background`).
 
     ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
     """
-    threads = None if at_once <= 1 else max(1, cores() // at_once)
+    threads = 1 if one_core else None if at_once <= 1 else max(1, cores() // at_once)
     return _ort.session(model, _ort.options(threads, level="all" if optimized else "none", spinning=False))
 
 
@@ -103,9 +105,10 @@ def each_run(session: ort.InferenceSession, feeds: Sequence[Mapping[str, np.ndar
         return list(pool.map(one, feeds))
 
 
-def _session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: int = 1) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: int = 1,
+             one_core: bool = False) -> ort.InferenceSession:
     try:
-        return session(model, optimized, at_once)
+        return session(model, optimized, at_once, one_core)
     except Exception as error:  # noqa: BLE001 - any ORT failure becomes one typed error
         raise RuntimeMeasurementError(f"ONNX Runtime could not load the model: {error}") from None
 
@@ -119,15 +122,8 @@ def run(
     ``one_core``: one feed after another on one thread (runs made beside other work, see
     :class:`Background`)."""
     feeds = list(feeds)
-    if one_core:
-        try:
-            session = _ort.session(model, _ort.options(1, level="all" if optimized else "none", spinning=False))
-        except Exception as error:  # noqa: BLE001
-            raise RuntimeMeasurementError(f"ONNX Runtime could not load the model: {error}") from None
-        at_once = 1
-    else:
-        at_once = concurrent_runs(len(feeds))
-        session = _session(model, optimized, at_once)
+    at_once = 1 if one_core else concurrent_runs(len(feeds))
+    session = _session(model, optimized, at_once, one_core)
     try:
         return each_run(session, feeds, at_once)
     except Exception as error:  # noqa: BLE001
@@ -152,10 +148,10 @@ class ReferenceRuns:
         """Start, on one core beside the caller's own work (:class:`Background`), the runs that
         ``outputs(optimized, count)`` returns for each ``(optimized, count)`` of ``wanted``;
         :meth:`outputs` waits for them (a run that failed is made, and fails, again there)."""
-        self.wait()
+        self._wait()
         self._prefetching = Background(lambda: [self._outputs(optimized, count, True) for optimized, count in wanted])
 
-    def wait(self) -> None:
+    def _wait(self) -> None:
         """Wait for the runs :meth:`prefetch` started."""
         prefetching, self._prefetching = self._prefetching, None
         if prefetching is not None:
@@ -166,7 +162,7 @@ class ReferenceRuns:
 
     def outputs(self, optimized: bool = True, count: int | None = None, one_core: bool = False) -> list[list[np.ndarray]]:
         """Outputs on the first ``count`` feeds (all by default), as :func:`run` gives them."""
-        self.wait()
+        self._wait()
         return self._outputs(optimized, count, one_core)
 
     def _outputs(self, optimized: bool, count: int | None, one_core: bool) -> list[list[np.ndarray]]:

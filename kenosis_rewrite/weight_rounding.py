@@ -50,7 +50,7 @@ import onnx
 import onnx_ir as ir
 
 from kenosis_rewrite import _ort, _qdq
-from kenosis_rewrite.bias_correction import float_counterpart, matched_layers, same_weights
+from kenosis_rewrite.bias_correction import float_attributes, float_counterpart, matched_layers, same_weights
 from kenosis_rewrite.report import FixReport
 
 RULE_NAME = "weight-rounding"
@@ -91,9 +91,8 @@ def _source(value: ir.Value) -> str:
 
 
 def _conv_geometry(original: onnx.NodeProto, kernel: tuple[int, ...]) -> tuple | str:
-    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in original.attribute}
-    auto_pad = attributes.get("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    attributes = float_attributes(original)
+    auto_pad = attributes.get("auto_pad", "NOTSET")
     if auto_pad not in ("NOTSET", "VALID"):
         return f"auto_pad {auto_pad}"
     pads = tuple(attributes.get("pads", [0] * 4)) if auto_pad == "NOTSET" else (0, 0, 0, 0)
