@@ -251,3 +251,28 @@ def test_input_means_measure_the_same_shift_as_a_quantized_copy(seed):
     # float32 sums over a few hundred positions, of outputs of magnitude ~1: far below one bias step
     np.testing.assert_allclose(by_means, copied, rtol=0, atol=2e-5 + 1e-4 * np.abs(copied).max())
     assert np.abs(copied).max() > 1e-4  # there was a shift to measure
+
+
+def _with_float_bias(quantized: onnx.ModelProto) -> onnx.ModelProto:
+    """The layer's int32 bias DequantizeLinear replaced by its float value, as NNCF leaves biases."""
+    model = ir.serde.deserialize_model(quantized)
+    layer = next(n for n in model.graph if n.op_type in ("Conv", "Gemm"))
+    bias_dq = layer.inputs[2].producer()
+    value = _qdq.dequantize_array(_qdq.const_array(bias_dq.inputs[0]), _qdq.quant_params(bias_dq))
+    layer.replace_input_with(2, _qdq.add_initializer(model.graph, ir.tensor(value), "float_bias"))
+    model.graph.remove(bias_dq, safe=True)
+    return ir.serde.serialize_model(model)
+
+
+@pytest.mark.parametrize("seed", [s for s in range(32) if s % 4 != 3][:12] + [3, 7, 11, 15])
+def test_input_means_measure_a_float_bias_layer_as_the_copy_does(seed):
+    """The same comparison on layers whose bias is float (NNCF's outputs keep them so)."""
+    float_model, feeds = _random_layer(seed)
+    quantized = _with_float_bias(ort_quantize.quantize_with_ort(float_model, feeds, ["default", "u8s8_pc", "pc"][seed % 3]))
+    model = ir.serde.deserialize_model(quantized)
+    float_weights = {i.name: i for i in float_model.graph.initializer}
+    layer = _layer(next(n for n in model.graph if n.op_type in ("Conv", "Gemm")), first_input_readers(float_model), float_weights)
+    assert not isinstance(layer, str) and layer.bias_scale is None, layer
+    by_means, = _shifts(float_model, [layer], feeds)
+    copied, = _shifts(float_model, [layer], feeds, by_means=False)
+    np.testing.assert_allclose(by_means, copied, rtol=0, atol=2e-5 + 1e-4 * np.abs(copied).max())
