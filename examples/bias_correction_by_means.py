@@ -1,9 +1,9 @@
 """Bias correction measured from input means against measured by quantized copies, on zoo models.
 
 Each model is quantized on 16 street/park scenes twice per round, alternating: as by default (Gemms
-and pointwise Convs with at least ``bias_correction.MIN_TAPPED_OUTPUTS`` output channels per group
-measured from the means of their input and its quantization error) and with every Conv measured
-by a quantized copy of it (the code before). Prints the median seconds spent in bias correction
+and Convs with at least ``bias_correction.MIN_TAPPED_OUTPUTS`` products per input value measured
+from the means, per kernel tap, of their input and its quantization error) and with every Conv
+measured by a quantized copy of it (the code before). Prints the median seconds spent in bias correction
 over the rounds, the int32 bias values that differ between the two models, and the mean output
 cosine against FP32 on the 100 held-out object photos (ORT, all optimizations on).
 

@@ -12,9 +12,10 @@ where ``x`` is the layer's FP32 input on the calibration feeds. Every layer sees
 each correction is independent of the others and one ONNX Runtime session measures them all: the
 FP32 graph with, beside every corrected layer, a copy of the quantized layer reading the same
 input, and ``GlobalAveragePool(quantized - float)`` as an extra output (streamed, one feed at a
-time); Gemms and wide pointwise Convs are measured from the means of their input and of its
-quantization error instead, which equals the copy's measurement in exact arithmetic and costs no
-copy of the layer (:func:`_mean_plan`).
+time); Gemms and Convs with many products per input value are measured from the means of their
+input and of its quantization error instead (per kernel tap: a stride phase's sum less a few edge
+rows and columns), which equals the copy's measurement in exact arithmetic and costs no copy of the
+layer (:func:`_mean_plan`).
 
 Approximate by nature (not exact): it changes the model's outputs, by design towards FP32 on
 average. The bound it keeps: each channel's bias moves by the measured shift rounded to the bias
@@ -185,34 +186,74 @@ def _names_of(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-# A pointwise Conv with fewer output channels than this per group is measured by a copy: its
-# products cost less than the error tensor's passes (PP-OCRv4 det's narrow 1x1 Convs at full size).
+# A Conv whose products per input value (output channels per group times kernel taps) are fewer
+# than this is measured by a copy: its products cost less than the error tensor's passes
+# (PP-OCRv4 det's narrow 1x1 Convs at full size; depthwise Convs).
 MIN_TAPPED_OUTPUTS = 32
+# Slice's starts and ends as inputs (negative ones count from the end) are opset 10's
+_TAPS_OPSET = 10
+_END = np.iinfo(np.int64).max
+_AXES_INPUT_OPSET = 13  # ReduceSum's axes: an input from opset 13, an attribute before
 
 
 @dataclasses.dataclass(frozen=True)
 class _Means:
     """A layer that :func:`_probe` measures by the means of what it reads (see :func:`_mean_plan`):
-    a pointwise Conv's ``group``, or a Gemm's ``alpha`` and ``transB``."""
+    a Conv's geometry and ``group`` (its input's mean per kernel tap), or a Gemm's ``alpha`` and
+    ``transB``."""
 
     group: int = 1
     alpha: float = 1.0
     trans_b: int = 0
+    kernel: tuple[int, int] = (1, 1)
+    strides: tuple[int, int] = (1, 1)
+    dilations: tuple[int, int] = (1, 1)
+    pads: tuple[int, int, int, int] = (0, 0, 0, 0)  # top, left, bottom, right (ONNX order)
+    auto_pad: str = "NOTSET"
+
+    @property
+    def pointwise(self) -> bool:
+        """Every output position reads one input position and every input position is read once:
+        the input's mean over positions is all the measurement needs."""
+        return (self.kernel == (1, 1) and self.strides == (1, 1) and not any(self.pads)
+                and self.auto_pad in ("NOTSET", "VALID"))
+
+    def edge(self, axis: int) -> int:
+        """How many rows (``axis`` 0) or columns (1) at each edge of the input a kernel tap may
+        skip: ``dilation * (kernel - 1)`` before the first position it reads, ``dilation * (kernel
+        - 1) + stride - 1`` after the last (the stride's remainder); at least 1."""
+        return max(1, self.dilations[axis] * (self.kernel[axis] - 1) + self.strides[axis] - 1)
+
+    def pads_at(self, size: int, axis: int) -> tuple[int, int]:
+        """The padding before and after ``axis`` of an input ``size`` long (auto_pad resolved as
+        ONNX defines it)."""
+        if self.auto_pad == "VALID":
+            return 0, 0
+        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            stride, reach = self.strides[axis], self.dilations[axis] * (self.kernel[axis] - 1) + 1
+            total = max(0, (-(-size // stride) - 1) * stride + reach - size)
+            small = total // 2
+            return (small, total - small) if self.auto_pad == "SAME_UPPER" else (total - small, small)
+        return self.pads[axis], self.pads[axis + 2]
 
 
 def _reads(attributes: Mapping, op_type: str, weight_shape: Sequence[int]) -> _Means | str:
     """How a layer with these attributes reads its input, or why it is not one :func:`_probe`
-    measures by its input means (a Conv that is not pointwise, a Gemm whose ``beta`` scales the bias)."""
+    measures by its input means (a Conv that is not 2-D, a Gemm whose ``beta`` scales the bias)."""
     if op_type == "Gemm":
         if float(attributes.get("beta", 1.0)) != 1.0:
             return "Gemm beta"
         return _Means(alpha=float(attributes.get("alpha", 1.0)), trans_b=int(attributes.get("transB", 0)))
-    if len(weight_shape) != 4 or tuple(weight_shape[2:]) != (1, 1):
-        return "not a pointwise 2-D Conv"
-    if attributes.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or any(attributes.get("pads", ())) or any(
-            int(v) != 1 for v in attributes.get("strides", ())):
-        return "padded or strided"
-    return _Means(group=int(attributes.get("group", 1)))
+    if len(weight_shape) != 4:
+        return "not a 2-D Conv"
+    auto_pad = attributes.get("auto_pad", "NOTSET")
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        return f"auto_pad {auto_pad}"
+    return _Means(group=int(attributes.get("group", 1)), kernel=(int(weight_shape[2]), int(weight_shape[3])),
+                  strides=tuple(int(v) for v in attributes.get("strides", (1, 1))),
+                  dilations=tuple(int(v) for v in attributes.get("dilations", (1, 1))),
+                  pads=tuple(int(v) for v in attributes.get("pads", (0, 0, 0, 0))) if auto_pad == "NOTSET" else (0, 0, 0, 0),
+                  auto_pad=auto_pad)
 
 
 def float_attributes(node: onnx.NodeProto) -> dict:
@@ -225,21 +266,25 @@ def _ir_attributes(node: ir.Node) -> dict:
     return {name: attr.value for name, attr in node.attributes.items()}
 
 
-def _mean_plan(layer: _Layer, float_weights: Mapping[str, onnx.TensorProto]) -> _Means | None:
+def _mean_plan(layer: _Layer, float_weights: Mapping[str, onnx.TensorProto], opset: int = _TAPS_OPSET) -> _Means | None:
     """How :func:`_probe` measures ``layer`` from its input alone, or None: then the probe runs a
     quantized copy of the layer instead.
 
-    A layer's mean output is linear in its input's mean: with ``m_x`` the mean over positions (and
-    rows) of each channel of the FP32 input and ``m_e`` that of its quantization error
+    A layer's mean output is linear in its input: with ``m_x[c, t]`` the mean, over the output
+    positions (and rows), of the FP32 input value that kernel tap ``t`` reads for input channel
+    ``c`` (0 where the tap reads padding), and ``m_e[c, t]`` that of its quantization error
     ``DQ(Q(x)) - x``,
 
         shift = alpha * (W_q . m_e + (W_q - W) . m_x) + (b_q - b)
 
     which equals the mean of ``layer(DQ(Q(x))) - float layer(x)`` (the copy's measurement) in
-    exact arithmetic; both are float sums, neither bit for bit the other. The means need one
-    subtraction and a mean over the input, a copy the layer's products: used for Gemms and for
-    pointwise Convs (1x1, unpadded, stride 1) with at least ``MIN_TAPPED_OUTPUTS`` output channels
-    per group, where the FP32 layer has the same attributes and a constant bias."""
+    exact arithmetic; both are float sums, neither bit for bit the other. A Gemm or a pointwise
+    Conv reads each input value once: its ``m[c]`` is the input's mean. A tap of any other 2-D Conv
+    reads one stride phase of the input less a few rows and columns at its edges, so its sum is the
+    phase's sum less those edges' (:func:`_tap_means`). The means need one subtraction and passes
+    over the input, a copy the layer's products: used for Gemms and for Convs with at least
+    ``MIN_TAPPED_OUTPUTS`` products per input value, where the FP32 layer has the same attributes
+    and a constant bias."""
     original = layer.original
     weight_shape = [int(d) for d in float_weights[original.input[1]].dims]
     plan = _reads(_ir_attributes(layer.node), layer.node.op_type, weight_shape)
@@ -250,22 +295,111 @@ def _mean_plan(layer: _Layer, float_weights: Mapping[str, onnx.TensorProto]) -> 
         bias = float_weights.get(original.input[2])
         if bias is None or int(np.prod(bias.dims)) not in (1, outputs):
             return None
-    if layer.node.op_type == "Conv" and outputs // plan.group < MIN_TAPPED_OUTPUTS:
-        return None
+    if layer.node.op_type == "Conv":
+        if outputs // plan.group * plan.kernel[0] * plan.kernel[1] < MIN_TAPPED_OUTPUTS:
+            return None
+        # A strided Conv's taps read stride phases: slicing them out cost more than the copies
+        # saved (measured: YOLOv8n's and ddddocr's strided 3x3 Convs); strided Convs are copied.
+        if not plan.pointwise and (plan.strides != (1, 1) or opset < _TAPS_OPSET):
+            return None
     return plan
 
 
-def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequence[_Means | None]) -> onnx.ModelProto:
-    """The FP32 model plus, per layer, an extra output the layer's mean shift is computed from:
-    where ``plans`` has a plan, its FP32 input and that input's quantization error as channels
-    ``[x; e]`` (Conv: their mean over positions, (N, 2C, 1, 1); Gemm: the (N, 2K) rows
-    themselves); otherwise the mean of (quantized copy - FP32 layer) over positions.
+def _tap_outputs(plan: _Means, z: ir.Value, add, constant, opset: int) -> list[ir.Value]:
+    """What :func:`_tap_means` reads of ``z`` (N, C, H, W) for a Conv of stride 1: its sum (N, C,
+    1, 1), then ``edge`` rows at the top and bottom and columns at the left and right."""
+    if plan.strides != (1, 1):
+        raise ValueError("a strided Conv is measured by a copy (see _mean_plan)")
+    rows, columns = plan.edge(0), plan.edge(1)
+
+    def total(values: ir.Value) -> ir.Value:
+        if opset >= _AXES_INPUT_OPSET:
+            return add(ir.node("ReduceSum", [values, constant([2, 3])], attributes={"keepdims": 1}))
+        return add(ir.node("ReduceSum", [values], attributes={"axes": [2, 3], "keepdims": 1}))
+
+    totals = total(z)
+
+    def strip(start: int, end: int, axis: int) -> ir.Value:
+        return add(ir.node("Slice", [z, constant([start]), constant([end]), constant([axis])]))
+
+    return [totals, strip(0, rows, 2), strip(-rows, _END, 2), strip(0, columns, 3), strip(-columns, _END, 3)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _EdgeReads:
+    """Along one axis of an input ``size`` long, what a Conv's kernel taps read: each tap's stride
+    phase (one-hot, (taps, stride)), the edge positions it skips (``skipped``: (taps, edges), over
+    ``positions``, the edge positions in order) and the output size."""
+
+    positions: np.ndarray
+    phase: np.ndarray
+    skipped: np.ndarray
+    outputs: int
+
+
+def _edge_reads(plan: _Means, size: int, axis: int) -> _EdgeReads:
+    """:class:`_EdgeReads` of ``plan`` along ``axis`` for an input ``size`` long."""
+    before, after = plan.pads_at(size, axis)
+    stride, dilation, kernel, edge = plan.strides[axis], plan.dilations[axis], plan.kernel[axis], plan.edge(axis)
+    outputs = (size + before + after - dilation * (kernel - 1) - 1) // stride + 1
+    # the edge positions, each once (the two ends overlap on a small input)
+    positions = np.array(sorted(set(range(min(edge, size))) | set(range(max(size - edge, 0), size))), np.int64)
+    phases, skipped = [], []
+    for tap in range(kernel):
+        first = tap * dilation - before  # may be negative (padding)
+        last = first + stride * (outputs - 1)
+        phase = first % stride
+        # the tap's phase less the positions it reads: those before ``first`` or after ``last``
+        skips = {p for p in range(phase, size, stride) if p < first or p > last}
+        if not skips <= set(positions.tolist()):
+            raise ValueError("a kernel tap skips input positions beyond the measured edges")  # not for ONNX Conv geometry
+        phases.append(phase)
+        skipped.append([p in skips for p in positions.tolist()])
+    return _EdgeReads(positions, np.eye(stride)[phases], np.array(skipped, np.float64).reshape(kernel, -1), outputs)
+
+
+def _tap_means(plan: _Means, rows: _EdgeReads, columns: _EdgeReads, totals: np.ndarray, top: np.ndarray,
+               bottom: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """Per channel and kernel tap (C, taps), the mean over the batch and output positions of the
+    input value the tap reads (0 for padding), from :func:`_tap_outputs` and the input's
+    :func:`_edge_reads` (``rows`` and ``columns``).
+
+    A tap (i, j) reads the rows of one stride phase a less a set of skipped rows U_i (all within
+    ``edge`` of the ends) and the columns of phase b less V_j, so its sum over z is
+    ``sum(a, b) - sum(U_i, b) - sum(a, V_j) + sum(U_i, V_j)``: the phase sums from ``totals``, the
+    rest from the edge strips (in float64)."""
+    batch, channels, height, width = top.shape[0], top.shape[1], left.shape[2], top.shape[3]
+    row_stride, column_stride = plan.strides
+    phase_sums = totals.reshape(batch, channels, row_stride, column_stride).sum(axis=0, dtype=np.float64)
+    # the edge rows (C, rows, W) and columns (C, H, columns), summed over the batch
+    row_values = np.concatenate([top, bottom], axis=2).sum(axis=0, dtype=np.float64)[
+        :, np.where(rows.positions < top.shape[2], rows.positions, rows.positions - height + 2 * top.shape[2])]
+    column_values = np.concatenate([left, right], axis=3).sum(axis=0, dtype=np.float64)[
+        :, :, np.where(columns.positions < left.shape[3], columns.positions, columns.positions - width + 2 * left.shape[3])]
+    row_sums = np.stack([row_values[..., b::column_stride].sum(axis=2) for b in range(column_stride)], axis=2)
+    column_sums = np.stack([column_values[:, a::row_stride].sum(axis=1) for a in range(row_stride)], axis=1)
+    corners = row_values[..., columns.positions]  # (C, rows, columns)
+    sums = (np.einsum("ia,cab,jb->cij", rows.phase, phase_sums, columns.phase)
+            - np.einsum("ir,crb,jb->cij", rows.skipped, row_sums, columns.phase)
+            - np.einsum("ia,caq,jq->cij", rows.phase, column_sums, columns.skipped)
+            + np.einsum("ir,crq,jq->cij", rows.skipped, corners, columns.skipped))
+    return sums.reshape(channels, -1) / (batch * rows.outputs * columns.outputs)
+
+
+def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequence[_Means | None],
+           opset: int) -> tuple[onnx.ModelProto, list[int]]:
+    """The FP32 model plus, per layer, the extra outputs the layer's mean shift is computed from,
+    and how many each layer has: where ``plans`` has a plan, its FP32 input and that input's
+    quantization error as channels ``z = [x; e]`` (a pointwise Conv: their mean over positions,
+    (N, 2C, 1, 1); any other Conv: :func:`_tap_outputs` of z; Gemm: the (N, 2K) rows themselves);
+    otherwise the mean of (quantized copy - FP32 layer) over positions.
 
     The additions are built in a scratch graph, serialised alone and appended to a copy of
     ``float_proto`` (the FP32 model is not converted to onnx_ir and back)."""
     graph = ir.Graph([], [], nodes=[], name="bias-correction probe")
     names = _qdq.NameAllocator(graph, also_taken=_names_of(float_proto))
     values: dict[str, ir.Value] = {}
+    constants: dict[tuple[int, ...], ir.Value] = {}
 
     def fp32(name: str) -> ir.Value:
         """The FP32 model's tensor ``name``, as the scratch graph reads it."""
@@ -278,6 +412,13 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequen
         graph.append(node)
         return node.outputs[0]
 
+    def constant(ints: Sequence[int]) -> ir.Value:
+        key = tuple(ints)
+        if key not in constants:
+            constants[key] = _qdq.add_initializer(graph, ir.tensor(np.array(key, np.int64)), names.fresh("kenosis_bc_ints"))
+        return constants[key]
+
+    counts = []
     for layer, plan in zip(layers, plans):
         node = layer.node
         input_dq, weight_dq, bias_dq = (value.producer() for value in node.inputs[:3])
@@ -290,23 +431,28 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequen
         x = fp32(layer.source)
         quantized_x = copy(input_dq, copy(quantize, x))
         if plan is not None:
-            result = add(ir.node("Concat", [x, add(ir.node("Sub", [quantized_x, x]))], attributes={"axis": 1}))
+            results = [add(ir.node("Concat", [x, add(ir.node("Sub", [quantized_x, x]))], attributes={"axis": 1}))]
+            if node.op_type == "Conv":
+                results = ([add(ir.node("GlobalAveragePool", results))] if plan.pointwise
+                           else _tap_outputs(plan, results[0], add, constant, opset))
         else:
             weights = copy(weight_dq, _initializer(graph, names, weight_dq.inputs[0]))
             bias = (_initializer(graph, names, node.inputs[2]) if layer.bias_scale is None
                     else copy(bias_dq, _initializer(graph, names, bias_dq.inputs[0])))
-            result = add(ir.node("Sub", [add(_copied(node, [quantized_x, weights, bias])), fp32(layer.reference)]))
-        if node.op_type == "Conv":
-            result = add(ir.node("GlobalAveragePool", [result]))
-        result.name = names.fresh(f"kenosis_bias_shift_{len(float_proto.graph.output) + len(graph.outputs)}")
-        graph.outputs.append(result)
+            results = [add(ir.node("Sub", [add(_copied(node, [quantized_x, weights, bias])), fp32(layer.reference)]))]
+            if node.op_type == "Conv":
+                results = [add(ir.node("GlobalAveragePool", results))]
+        for result in results:
+            result.name = names.fresh(f"kenosis_bias_shift_{len(float_proto.graph.output) + len(graph.outputs)}")
+            graph.outputs.append(result)
+        counts.append(len(results))
     additions = ir.serde.serialize_graph(graph)
     probe = onnx.ModelProto()
     probe.CopyFrom(float_proto)
     probe.graph.initializer.extend(additions.initializer)
     probe.graph.node.extend(additions.node)
     probe.graph.output.extend(additions.output)
-    return probe
+    return probe, counts
 
 
 def _dequantized_weights(layer: _Layer) -> np.ndarray:
@@ -322,14 +468,15 @@ def _layer_bias(layer: _Layer) -> np.ndarray:
 
 def _measured_shifts(layer: _Layer, plan: _Means, float_weights: Mapping[str, onnx.TensorProto],
                      per_feed_means: Sequence[np.ndarray]) -> np.ndarray:
-    """Per feed, the per-channel mean shift of ``layer`` from its probe output's channel means,
-    ``[m_x; m_e]`` (see :func:`_mean_plan`)."""
+    """Per feed, the per-channel mean shift of ``layer`` from the means of what it reads,
+    ``[m_x; m_e]`` per channel (and kernel tap) (see :func:`_mean_plan`)."""
     original = layer.original
     weights = onnx.numpy_helper.to_array(float_weights[original.input[1]]).astype(np.float64)
     quantized = _dequantized_weights(layer)
     if layer.node.op_type == "Gemm" and not plan.trans_b:
         weights, quantized = weights.T, quantized.T  # (outputs, inputs) like a Conv's
     outputs, group = weights.shape[0], plan.group
+    # (group, outputs per group, inputs per group x taps), like the means below
     weights, quantized = (w.reshape(group, outputs // group, -1) for w in (weights, quantized))
     has_bias = len(original.input) > 2 and original.input[2]
     float_bias = (onnx.numpy_helper.to_array(float_weights[original.input[2]]).astype(np.float64).reshape(-1)
@@ -337,26 +484,45 @@ def _measured_shifts(layer: _Layer, plan: _Means, float_weights: Mapping[str, on
     bias_shift = np.broadcast_to(_layer_bias(layer), (outputs,)) - np.broadcast_to(float_bias, (outputs,))
     shifts = []
     for means in per_feed_means:
-        channels = means.size // 2
-        x, error = (m.reshape(group, channels // group) for m in (means[:channels], means[channels:]))
+        channels = means.shape[0] // 2
+        x, error = (m.reshape(group, -1) for m in (means[:channels], means[channels:]))
         products = np.einsum("goc,gc->go", quantized, error) + np.einsum("goc,gc->go", quantized - weights, x)
         shifts.append(plan.alpha * products.reshape(-1) + bias_shift)
     return np.stack(shifts)
+
+
+def _channel_means(output: np.ndarray) -> np.ndarray:
+    """Per channel, the mean over the batch and positions (a Conv's) or rows (a Gemm's)."""
+    return output.reshape(output.shape[0], output.shape[1], -1).mean(axis=(0, 2), dtype=np.float64)
 
 
 def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds, by_means: bool = True) -> list[np.ndarray]:
     """Per layer, the per-channel mean shift of each feed: an array (feeds, channels).
     ``by_means=False`` measures every layer with a quantized copy (see :func:`_mean_plan`)."""
     float_weights = {init.name: init for init in float_proto.graph.initializer}
-    plans = [_mean_plan(layer, float_weights) if by_means else None for layer in layers]
+    opset = next((o.version for o in float_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+    plans = [_mean_plan(layer, float_weights, opset) if by_means else None for layer in layers]
     at_once = fidelity.concurrent_runs(len(feeds))
-    session = fidelity.session(_probe(float_proto, layers, plans), at_once=at_once)
-    wanted = [o.name for o in session.get_outputs()][-len(layers):]
+    probe, counts = _probe(float_proto, layers, plans, opset)
+    session = fidelity.session(probe, at_once=at_once)
+    wanted = [o.name for o in session.get_outputs()][-sum(counts):]
+    spans = np.cumsum([0, *counts])
     per_feed: list[list[np.ndarray]] = [[] for _ in layers]
+    edges: dict[tuple[_Means, int, int], _EdgeReads] = {}  # the feeds mostly share their sizes
+
+    def edge_reads(plan: _Means, size: int, axis: int) -> _EdgeReads:
+        if (plan, size, axis) not in edges:
+            edges[plan, size, axis] = _edge_reads(plan, size, axis)
+        return edges[plan, size, axis]
+
     for run in fidelity.each_run(session, feeds, at_once, wanted):
-        for i, output in enumerate(run):
-            # per channel, the mean over the batch and positions (a Conv's) or rows (a Gemm's)
-            per_feed[i].append(output.reshape(output.shape[0], output.shape[1], -1).mean(axis=(0, 2), dtype=np.float64))
+        for i, plan in enumerate(plans):
+            outputs = run[spans[i]:spans[i + 1]]
+            if len(outputs) == 1:
+                per_feed[i].append(_channel_means(outputs[0]))
+                continue
+            _, top, _, left, _ = outputs
+            per_feed[i].append(_tap_means(plan, edge_reads(plan, left.shape[2], 0), edge_reads(plan, top.shape[3], 1), *outputs))
     return [_measured_shifts(layer, plan, float_weights, means) if plan is not None else np.stack(means)
             for layer, plan, means in zip(layers, plans, per_feed)]
 

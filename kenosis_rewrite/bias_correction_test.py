@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite import _qdq, _testing, fidelity, ort_quantize, toy_models
 from kenosis_rewrite.bias_correction import (
-    MIN_TAPPED_OUTPUTS, RULE_NAME, SIGNIFICANCE_Z, _layer, _mean_plan, _shifts, correct_biases, first_input_readers,
+    MIN_TAPPED_OUTPUTS, RULE_NAME, SIGNIFICANCE_Z, _edge_reads, _layer, _mean_plan, _Means, _shifts, _tap_means, correct_biases, first_input_readers,
 )
 from kenosis_rewrite.quantize import quantize
 from kenosis_rewrite.report import FixReport
@@ -189,9 +189,9 @@ def test_a_measurement_that_cannot_run_leaves_the_model_as_quantized_and_says_wh
     assert not report.changes and any(n.startswith("bias correction skipped: ONNX Runtime") for n in report.notes)
 
 
-def _random_layer(seed: int) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
-    """x -> one Conv (1x1 or 3x3, groups, output channels around ``MIN_TAPPED_OUTPUTS``, some padded
-    or strided) or Gemm (transB, alpha, some with beta) with a bias -> y, and non-zero-mean feeds."""
+def _random_layer(seed: int, opset: int = 17) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """x -> one Conv (1x1 or k x k up to 5, groups, output channels around ``MIN_TAPPED_OUTPUTS``, some
+    padded, auto-padded, strided or dilated) or Gemm (transB, alpha, some with beta) with a bias -> y, and non-zero-mean feeds."""
     rng = np.random.default_rng(seed)
     if seed % 4 == 3:
         rows, inputs, outputs = int(rng.integers(1, 5)), int(rng.integers(3, 12)), int(rng.integers(3, 10))
@@ -203,32 +203,38 @@ def _random_layer(seed: int) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray
     else:
         group = int(rng.choice([1, 2]))
         inputs, outputs = group * int(rng.integers(2, 5)), group * int(rng.choice([8, 32, 40]))
-        kernel = [1, 1] if rng.random() < 0.8 else [3, 3]
+        kernel = [1, 1] if rng.random() < 0.5 else [int(v) for v in rng.choice([1, 2, 3, 5], 2)]
         weights = rng.normal(0, 0.5, (outputs, inputs // group, *kernel)).astype(np.float32)
         attributes = {"group": group}
-        if rng.random() < 0.2:
-            attributes["auto_pad"] = "VALID"
-        elif rng.random() < 0.3:
-            attributes["pads"] = [int(v) for v in rng.integers(0, 2, 4)]
-            attributes["strides"] = [int(v) for v in rng.integers(1, 3, 2)]
+        if rng.random() < 0.3:
+            attributes["auto_pad"] = str(rng.choice(["VALID", "SAME_UPPER", "SAME_LOWER"]))
+        elif rng.random() < 0.6:
+            attributes["pads"] = [int(v) for v in rng.integers(0, 3, 4)]
+        if rng.random() < 0.5:
+            attributes["strides"] = [int(v) for v in rng.integers(1, 4, 2)]
+        if rng.random() < 0.2 and "auto_pad" not in attributes:  # ORT: no dilations with SAME
+            attributes["dilations"] = [int(v) for v in rng.integers(1, 3, 2)]
         node = helper.make_node("Conv", ["x", "w", "b"], ["y"], name="layer", **attributes)
-        shape, out_shape = [int(rng.integers(1, 3)), inputs, int(rng.integers(9, 15)), int(rng.integers(9, 15))], None
+        # some inputs smaller than twice a tap's edge (the edge strips overlap)
+        shape, out_shape = [int(rng.integers(1, 3)), inputs, int(rng.integers(5, 15)), int(rng.integers(5, 15))], None
     initializers = [numpy_helper.from_array(weights, "w"),
                     numpy_helper.from_array(rng.normal(0, 0.1, outputs).astype(np.float32), "b")]
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     offset = rng.normal(0, 1, (1, inputs) + (1,) * (len(shape) - 2)).astype(np.float32)
     feeds = [{"x": (rng.normal(0, 1, shape) + offset).astype(np.float32)} for _ in range(4)]
     return model, feeds
 
 
-@pytest.mark.parametrize("seed", range(32))
+@pytest.mark.parametrize("seed", range(48))
 def test_input_means_measure_the_same_shift_as_a_quantized_copy(seed):
     """The measurement from input means (no copy of the layer) against the copy's, on generated
-    layers and quantize_static configurations: equal within float rounding; layers it does not
-    apply to (padded, strided, 3x3, narrow, Gemm beta) are measured by the copy."""
-    float_model, feeds = _random_layer(seed)
+    layers and quantize_static configurations: equal within float rounding; strided Convs, Convs
+    with fewer products per input value than ``MIN_TAPPED_OUTPUTS`` and Gemms with beta are
+    measured by the copy."""
+    # per-tensor configurations at opset 11 too (ReduceSum's axes an attribute)
+    float_model, feeds = _random_layer(seed, opset=11 if seed % 6 == 0 else 17)
     quantized = ort_quantize.quantize_with_ort(float_model, feeds, ["default", "u8s8_pc", "pc"][seed % 3])
     model = ir.serde.deserialize_model(quantized)
     float_weights = {i.name: i for i in float_model.graph.initializer}
@@ -241,8 +247,8 @@ def test_input_means_measure_the_same_shift_as_a_quantized_copy(seed):
         applies = attributes["beta"] == 1.0
         outputs = weights.shape[0] if attributes["transB"] else weights.shape[1]
     else:
-        applies = (weights.shape[2:] == (1, 1) and not any(attributes.get("pads", ())) and
-                   all(v == 1 for v in attributes.get("strides", ())) and weights.shape[0] // attributes["group"] >= MIN_TAPPED_OUTPUTS)
+        products = weights.shape[0] // attributes["group"] * weights.shape[2] * weights.shape[3]
+        applies = products >= MIN_TAPPED_OUTPUTS and attributes.get("strides", [1, 1]) == [1, 1]
         outputs = weights.shape[0]
     assert (_mean_plan(layer, float_weights) is not None) == applies
     by_means, = _shifts(float_model, [layer], feeds)
@@ -251,6 +257,44 @@ def test_input_means_measure_the_same_shift_as_a_quantized_copy(seed):
     # float32 sums over a few hundred positions, of outputs of magnitude ~1: far below one bias step
     np.testing.assert_allclose(by_means, copied, rtol=0, atol=2e-5 + 1e-4 * np.abs(copied).max())
     assert np.abs(copied).max() > 1e-4  # there was a shift to measure
+
+
+def _reference_tap_means(plan: _Means, z: np.ndarray) -> np.ndarray:
+    """Per channel and tap, the mean over the batch and output positions of the value the tap
+    reads, from the padded input itself."""
+    (top, bottom), (left, right) = plan.pads_at(z.shape[2], 0), plan.pads_at(z.shape[3], 1)
+    padded = np.pad(z.astype(np.float64), [(0, 0), (0, 0), (top, bottom), (left, right)])
+    (sh, sw), (dh, dw), (kh, kw) = plan.strides, plan.dilations, plan.kernel
+    out_h = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    out_w = (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    taps = [padded[:, :, i * dh:i * dh + sh * out_h:sh, j * dw:j * dw + sw * out_w:sw].mean(axis=(0, 2, 3))
+            for i in range(kh) for j in range(kw)]
+    return np.stack(taps, axis=1)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_tap_means_are_the_means_each_kernel_tap_reads(seed):
+    """:func:`_tap_means` (phase sums less edge strips) against the padded input read tap by tap,
+    over generated Conv geometries: kernels 1-5, strides 1-3 (the arithmetic is general; the probe
+    measures Convs of stride 1), dilations 1-3, explicit and automatic padding, inputs down to one
+    position (strips that overlap or cover the whole input)."""
+    rng = np.random.default_rng(seed)
+    kernel = tuple(int(v) for v in rng.integers(1, 6, 2))
+    strides = tuple(int(v) for v in rng.integers(1, 4, 2))
+    dilations = tuple(int(v) for v in rng.integers(1, 4, 2)) if rng.random() < 0.3 else (1, 1)
+    auto_pad = str(rng.choice(["NOTSET", "NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"]))
+    pads = tuple(int(v) for v in rng.integers(0, 4, 4)) if auto_pad == "NOTSET" else (0, 0, 0, 0)
+    plan = _Means(kernel=kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad)
+    reach = [dilations[a] * (kernel[a] - 1) + 1 for a in (0, 1)]
+    low = [max(1, reach[a] - pads[a] - pads[a + 2]) if auto_pad != "VALID" else reach[a] for a in (0, 1)]
+    shape = (int(rng.integers(1, 3)), 3, int(rng.integers(low[0], low[0] + 20)), int(rng.integers(low[1], low[1] + 20)))
+    z = rng.normal(0.5, 1, shape).astype(np.float32)
+    rows, columns = plan.edge(0), plan.edge(1)
+    totals = np.stack([z[:, :, a::strides[0], b::strides[1]].sum(axis=(2, 3)) for a in range(strides[0])
+                       for b in range(strides[1])], axis=2)
+    measured = _tap_means(plan, _edge_reads(plan, shape[2], 0), _edge_reads(plan, shape[3], 1), totals,
+                          z[:, :, :rows], z[:, :, max(0, shape[2] - rows):], z[:, :, :, :columns], z[:, :, :, max(0, shape[3] - columns):])
+    np.testing.assert_allclose(measured, _reference_tap_means(plan, z), rtol=0, atol=1e-6)
 
 
 def _with_float_bias(quantized: onnx.ModelProto) -> onnx.ModelProto:
