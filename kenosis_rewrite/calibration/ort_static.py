@@ -28,6 +28,7 @@ import onnx
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 from onnxruntime.quantization import qdq_quantizer
 from onnxruntime.quantization.calibrate import load_tensors_data
+from onnxruntime.quantization.onnx_model import ONNXModel
 from onnxruntime.quantization.quant_utils import (
     ONNX_TYPE_TO_NP_TYPE,
     add_infer_metadata,
@@ -74,8 +75,24 @@ def quantize_channels(data: np.ndarray, axis: int, quant_type: int, zero_point: 
     return values.astype(ONNX_TYPE_TO_NP_TYPE[quant_type])
 
 
+class _ScanningONNXModel(ONNXModel):
+    """ORT's ``ONNXModel``, its ``replace_input_of_all_nodes`` skipping in C the nodes that do not
+    read the tensor: ORT's walks every input of every node in Python for each tensor it quantizes
+    (quadratic in the graph; 0.3 s of ddddocr's 0.75 s quantize_static). The same replacements."""
+
+    def replace_input_of_all_nodes(self, old_input_name, new_input_name):
+        for node in self.model.graph.node:
+            if old_input_name in node.input:
+                ONNXModel.replace_node_input(node, old_input_name, new_input_name)
+
+
 class ChannelVectorisedQDQQuantizer(qdq_quantizer.QDQQuantizer):
-    """ORT's ``QDQQuantizer``, its plain per-channel weight parameters computed by :func:`channel_quant_params`."""
+    """ORT's ``QDQQuantizer``, its plain per-channel weight parameters computed by :func:`channel_quant_params`,
+    its model a :class:`_ScanningONNXModel`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model = _ScanningONNXModel(self.model.model)  # ONNXModel holds nothing else
 
     def _vectorisable_axis(self, tensor_name: str, tensor_info, initializer: onnx.TensorProto | None) -> int | None:
         """The normalised channel axis where ORT's per-channel branch would run with plain arguments; None elsewhere."""
