@@ -12,10 +12,10 @@ where ``x`` is the layer's FP32 input on the calibration feeds. Every layer sees
 each correction is independent of the others and one ONNX Runtime session measures them all: the
 FP32 graph with, beside every corrected layer, a copy of the quantized layer reading the same
 input, and ``GlobalAveragePool(quantized - float)`` as an extra output (streamed, one feed at a
-time); Gemms and Convs with many products per input value are measured from the means of their
-input and of its quantization error instead (per kernel tap: a stride phase's sum less a few edge
-rows and columns), which equals the copy's measurement in exact arithmetic and costs no copy of the
-layer (:func:`_mean_plan`).
+time); Gemms and Convs of stride 1 with many products per input value are measured from the
+means of their input and of its quantization error instead (per kernel tap: the input's sum less a
+few edge rows and columns), which equals the copy's measurement in exact arithmetic and costs no
+copy of the layer (:func:`_mean_plan`).
 
 Approximate by nature (not exact): it changes the model's outputs, by design towards FP32 on
 average. The bound it keeps: each channel's bias moves by the measured shift rounded to the bias
@@ -280,9 +280,9 @@ def _mean_plan(layer: _Layer, float_weights: Mapping[str, onnx.TensorProto], ops
     which equals the mean of ``layer(DQ(Q(x))) - float layer(x)`` (the copy's measurement) in
     exact arithmetic; both are float sums, neither bit for bit the other. A Gemm or a pointwise
     Conv reads each input value once: its ``m[c]`` is the input's mean. A tap of any other 2-D Conv
-    reads one stride phase of the input less a few rows and columns at its edges, so its sum is the
-    phase's sum less those edges' (:func:`_tap_means`). The means need one subtraction and passes
-    over the input, a copy the layer's products: used for Gemms and for Convs with at least
+    of stride 1 reads the input less a few rows and columns at its edges, so its sum is the input's
+    sum less those edges' (:func:`_tap_means`). The means need one subtraction and passes over the
+    input, a copy the layer's products: used for Gemms and for Convs of stride 1 with at least
     ``MIN_TAPPED_OUTPUTS`` products per input value, where the FP32 layer has the same attributes
     and a constant bias."""
     original = layer.original
@@ -311,13 +311,10 @@ def _tap_outputs(plan: _Means, z: ir.Value, add, constant, opset: int) -> list[i
     if plan.strides != (1, 1):
         raise ValueError("a strided Conv is measured by a copy (see _mean_plan)")
     rows, columns = plan.edge(0), plan.edge(1)
-
-    def total(values: ir.Value) -> ir.Value:
-        if opset >= _AXES_INPUT_OPSET:
-            return add(ir.node("ReduceSum", [values, constant([2, 3])], attributes={"keepdims": 1}))
-        return add(ir.node("ReduceSum", [values], attributes={"axes": [2, 3], "keepdims": 1}))
-
-    totals = total(z)
+    if opset >= _AXES_INPUT_OPSET:
+        totals = add(ir.node("ReduceSum", [z, constant([2, 3])], attributes={"keepdims": 1}))
+    else:
+        totals = add(ir.node("ReduceSum", [z], attributes={"axes": [2, 3], "keepdims": 1}))
 
     def strip(start: int, end: int, axis: int) -> ir.Value:
         return add(ir.node("Slice", [z, constant([start]), constant([end]), constant([axis])]))
