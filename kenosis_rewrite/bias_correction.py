@@ -256,6 +256,12 @@ def _reads(attributes: Mapping, op_type: str, weight_shape: Sequence[int]) -> _M
                   auto_pad=auto_pad)
 
 
+def conv_geometry(original: onnx.NodeProto, weight_shape: Sequence[int]) -> _Means | str:
+    """How the FP32 2-D Conv ``original`` reads its input (group, kernel, strides, dilations, pads,
+    auto_pad), or why it cannot say."""
+    return _reads(float_attributes(original), "Conv", weight_shape)
+
+
 def float_attributes(node: onnx.NodeProto) -> dict:
     """An FP32 node's attributes by name, strings decoded (as onnx_ir gives them)."""
     values = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}

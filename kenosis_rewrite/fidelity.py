@@ -211,8 +211,12 @@ def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
 
 def sqnr_db(reference: np.ndarray, candidate: np.ndarray) -> float:
     reference = np.asarray(reference, np.float64)
-    noise = float(np.sum((reference - candidate) ** 2))
-    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))
+    return _sqnr_db_of_sums(np.sum(reference**2), float(np.sum((reference - candidate) ** 2)))
+
+
+def _sqnr_db_of_sums(signal: float, noise: float) -> float:
+    """:func:`sqnr_db` from the sums of reference^2 and (reference - candidate)^2."""
+    return float("inf") if noise == 0 else float(10 * np.log10(signal / noise))
 
 
 def scores(reference: Sequence[Sequence[np.ndarray]], outputs: Sequence[Sequence[np.ndarray]]) -> dict[str, float]:
@@ -236,11 +240,10 @@ def scores(reference: Sequence[Sequence[np.ndarray]], outputs: Sequence[Sequence
         totals += sums
     if not per_feed:
         return {"cosine": 1.0, "worst_cosine": 1.0, "sqnr_db": float("inf"), "max_abs": 0.0}
-    noise = totals[3]
     return {
         "cosine": _cosine_of_sums(totals),
         "worst_cosine": float(min(per_feed)),
-        "sqnr_db": float("inf") if noise == 0 else float(10 * np.log10(totals[1] / noise)),
+        "sqnr_db": _sqnr_db_of_sums(totals[1], totals[3]),
         "max_abs": max_abs,
     }
 

@@ -50,7 +50,7 @@ import onnx
 import onnx_ir as ir
 
 from kenosis_rewrite import _ort, _qdq
-from kenosis_rewrite.bias_correction import float_attributes, float_counterpart, matched_layers, same_weights
+from kenosis_rewrite.bias_correction import conv_geometry, float_counterpart, matched_layers, same_weights
 from kenosis_rewrite.report import FixReport
 
 RULE_NAME = "weight-rounding"
@@ -90,15 +90,6 @@ def _source(value: ir.Value) -> str:
     return value.name
 
 
-def _conv_geometry(original: onnx.NodeProto, kernel: tuple[int, ...]) -> tuple | str:
-    attributes = float_attributes(original)
-    auto_pad = attributes.get("auto_pad", "NOTSET")
-    if auto_pad not in ("NOTSET", "VALID"):
-        return f"auto_pad {auto_pad}"
-    pads = tuple(attributes.get("pads", [0] * 4)) if auto_pad == "NOTSET" else (0, 0, 0, 0)
-    return pads, tuple(attributes.get("strides", [1, 1])), tuple(attributes.get("dilations", [1, 1]))
-
-
 def _layer(node: ir.Node, readers, float_weights) -> _Layer | str:
     """The layer to round, or why not."""
     if len(node.inputs) < 2 or node.inputs[0] is None or node.inputs[1] is None:
@@ -135,13 +126,16 @@ def _conv_input_geometry(original: onnx.NodeProto, weights: np.ndarray) -> tuple
     """(rows_per_group, kernel, pads, strides, dilations) of an FP32 Conv, or why weight rounding leaves it."""
     if weights.ndim != 4:
         return "not a 2-D convolution"
-    group = next((a.i for a in original.attribute if a.name == "group"), 1)
-    if group != 1 and weights.shape[1] != 1:
-        return f"grouped convolution (group {group}) that is not depthwise"
-    geometry = _conv_geometry(original, weights.shape[2:])
+    geometry = conv_geometry(original, weights.shape)
     if isinstance(geometry, str):
         return geometry
-    return (weights.shape[0] // group if group > 1 else 0, weights.shape[2:], *geometry)
+    group = geometry.group
+    if group != 1 and weights.shape[1] != 1:
+        return f"grouped convolution (group {group}) that is not depthwise"
+    if geometry.auto_pad not in ("NOTSET", "VALID"):
+        return f"auto_pad {geometry.auto_pad}"
+    return (weights.shape[0] // group if group > 1 else 0, weights.shape[2:], geometry.pads, geometry.strides,
+            geometry.dilations)
 
 
 def _positions(count: int) -> np.ndarray:
