@@ -35,6 +35,7 @@ from kenosis_rewrite.passes import output_quantizers
 from kenosis_rewrite.passes.output_quantizers import QuantizeWeightedOutputsPass
 from kenosis_rewrite.passes.pin_shapes import pinned_model
 from kenosis_rewrite.report import FixReport, Refusal
+from kenosis_rewrite.rules.op_filter import op_filtered
 from kenosis_rewrite.targets import TARGETS as _TARGETS
 from kenosis_rewrite.targets import get_target
 
@@ -128,7 +129,7 @@ class FixPass(ir.passes.InPlacePass):
             # moved in front of a Reshape now follows the Conv's Q/DQ): rules and post passes are
             # repeated together until nothing changes, so a second fix() finds nothing left to do
             ir.passes.PassManager([
-                _rewrite_until_done(RewriteRuleSet(self._enabled(target.rules(self.report)))),
+                _rewrite_until_done(op_filtered(self._enabled(target.rules(self.report)))),
                 ir.passes.PassManager(self._enabled(target.post_passes(self.report)), steps=_MAX_REWRITE_ROUNDS),
             ], steps=_MAX_REWRITE_ROUNDS, early_stop=True),
         )
@@ -143,7 +144,7 @@ def apply_rules(model: ir.Model, target: str, names: Iterable[str], report: FixR
     the integer MatMuls' bias Adds after bias correction, which reads the QDQ form)."""
     wanted = frozenset(names)
     rules = [rule for rule in get_target(target).rules(report) if rule.name in wanted]
-    return bool(rules) and _rewrite_until_done(RewriteRuleSet(rules))(model).modified
+    return bool(rules) and _rewrite_until_done(op_filtered(rules))(model).modified
 
 
 def interface(proto: onnx.ModelProto) -> tuple:
