@@ -7,10 +7,12 @@ execution, one inter-op thread, warnings off (ORT's NCHWc "hardware specific" wa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import onnx
 import onnxruntime as ort
 
-__all__ = ["LEVELS", "options", "session"]
+__all__ = ["LEVELS", "computing_only", "options", "session"]
 
 LEVELS = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -66,3 +68,38 @@ def session(model: onnx.ModelProto | bytes | str, session_options: ort.SessionOp
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     return ort.InferenceSession(model, session_options or options(), providers=["CPUExecutionProvider"])
+
+
+def computing_only(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """``model`` with ``outputs`` as its outputs and without the nodes they do not depend on (onnxruntime
+    runs every node of a graph, needed or not: a detector's head after the last observed tensor is
+    most of its run). Graph inputs stay (the feeds name them all)."""
+    needed = set(outputs)
+    kept = []
+    for node in reversed(model.graph.node):  # a graph's nodes are in topological order
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(node.input)
+            needed.update(_names_read_inside(node))
+    source = model.graph
+    graph = onnx.GraphProto(name=source.name)
+    graph.input.extend(source.input)
+    graph.initializer.extend(tensor for tensor in source.initializer if tensor.name in needed)
+    graph.sparse_initializer.extend(tensor for tensor in source.sparse_initializer if tensor.values.name in needed)
+    graph.node.extend(reversed(kept))
+    graph.output.extend(onnx.ValueInfoProto(name=name) for name in outputs)
+    probe = onnx.ModelProto(ir_version=model.ir_version, graph=graph)
+    probe.opset_import.extend(model.opset_import)
+    probe.functions.extend(model.functions)
+    return probe
+
+
+def _names_read_inside(node: onnx.NodeProto) -> set[str]:
+    """Every name a node's subgraphs (If/Loop/Scan bodies) read, their own included."""
+    names: set[str] = set()
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            for inner in graph.node:
+                names.update(inner.input)
+                names.update(_names_read_inside(inner))
+    return names

@@ -58,7 +58,7 @@ from onnxscript.optimizer._constant_folding import (
 from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewritePass, RewriteRuleSet
 from onnxscript.rewriter.rules.common import fuse_hardswish_rules, no_op_transpose_rule, transpose_transpose_rule
 
-from kenosis_rewrite import _io, fidelity
+from kenosis_rewrite import _io, _ort, fidelity
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.report import FixReport
@@ -470,24 +470,38 @@ class TensorObserver(Protocol):
         """Forget the runs: they were not of the model kept."""
 
 
-def _with_observed(candidate: bytes, observer: TensorObserver | None) -> tuple[bytes, list[str], int | None]:
-    """The candidate with ``observer``'s tensors as extra outputs, all its output names, and how many
-    are its own (None when there is nothing to observe: the candidate as it is)."""
+def _with_observed(candidate: bytes, observer: TensorObserver | None) -> tuple[bytes, list[str], int | None, tuple]:
+    """The candidate with ``observer``'s tensors as extra outputs, all its output names, how many
+    are its own (None when there is nothing to observe: the candidate as it is), and (a probe
+    computing only ``observer``'s tensors, their names) for the feeds whose outputs are not compared."""
     if observer is None:
-        return candidate, [], None
+        return candidate, [], None, (b"", [])
     proto = onnx.ModelProto.FromString(candidate)
     own = [o.name for o in proto.graph.output]
-    extra = [name for name in dict.fromkeys(observer.tensors(proto)) if name not in set(own)]
+    watched = list(dict.fromkeys(observer.tensors(proto)))
+    extra = [name for name in watched if name not in set(own)]
     if not extra:
-        return candidate, [], None
+        return candidate, [], None, (b"", [])
+    probe = _ort.computing_only(proto, watched).SerializeToString()
     proto.graph.output.extend(onnx.ValueInfoProto(name=name) for name in extra)
-    return proto.SerializeToString(), [*own, *extra], len(own)
+    return proto.SerializeToString(), [*own, *extra], len(own), (probe, watched)
 
 
 def _routes_by_data(model: ir.Model) -> bool:
     """Whether different inputs can take different paths through ``model`` (control flow, or tensors
     whose size depends on the values): one input's run then says nothing about another's path."""
     return any(node.op_type in _DATA_ROUTED_OPS for node in model.graph.all_nodes())
+
+
+def _observe_the_rest(probe: bytes, names: list[str], feeds: Sequence[Mapping[str, np.ndarray]],
+                      observer: TensorObserver) -> None:
+    """Show ``observer`` the feeds not compared, from ``probe`` (only the nodes its tensors need).
+    Where that fails, the observer has not seen every feed and its user measures for itself."""
+    try:
+        for run in fidelity.run(probe, feeds, optimized=True):
+            observer.observe(dict(zip(names, run)))
+    except RuntimeMeasurementError:
+        pass
 
 
 def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixReport, strict: bool,
@@ -500,17 +514,17 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
     (the original's optimized runs are the ones quantize()'s final fidelity reads again). Every
     rewrite is an identity applied whatever the data, so a wrong one shows on any real input; a
     graph that routes inputs by their values (:func:`_routes_by_data`) is compared on every feed,
-    and an ``observer`` is shown the prepared model's runs on every feed. Otherwise the graphs as
+    and an ``observer`` is shown the prepared model's runs on every feed (those not compared from a
+    probe computing only its tensors, :func:`~kenosis_rewrite._ort.computing_only`). Otherwise the graphs as
     written are compared, both run with optimizations off, within float rounding or ``NOISE_FACTOR`` x what onnxruntime's own optimizations change
     (:func:`_verified_as_written`, on the first ``VERIFY_FEEDS`` feeds unless the graph routes by
     value). ``observer``'s tensors are exposed as extra outputs of the first check's runs of the
     prepared model (onnxruntime keeps its fusions around them: they are outputs of the nodes it
     fuses into); those runs were of this model, so they stand when either check verifies it."""
     candidate = ir.serde.serialize_model(work).SerializeToString()  # once for both sessions and the checker
-    observed, names, own = _with_observed(candidate, observer)
+    observed, names, own, (probe, watched) = _with_observed(candidate, observer)
     compared = len(original.feeds) if _routes_by_data(work) else VERIFY_FEEDS
-    # the observer gets every feed; the outputs are compared on the first few all the same
-    feeds = original.feeds if own is not None else original.feeds[:compared]
+    feeds = original.feeds[:compared]
     try:
         reference = original.outputs(optimized=True, count=compared)
     except RuntimeMeasurementError as error:
@@ -524,6 +538,7 @@ def _verified(original: fidelity.ReferenceRuns, work: ir.Model, report: FixRepor
             for run in outputs:
                 observer.observe(dict(zip(names, run)))
             outputs = [run[:own] for run in outputs]
+            _observe_the_rest(probe, watched, original.feeds[compared:], observer)
         if _declared_output_repairs(work, outputs[0], report):
             candidate = ir.serde.serialize_model(work).SerializeToString()
         onnx.checker.check_model(candidate, full_check=True)

@@ -162,11 +162,7 @@ class ChannelMaxima:
 
 def _channel_maxima(model: onnx.ModelProto, tensors: Sequence[str], feeds) -> tuple[list[np.ndarray], list[int]]:
     """Per tensor, each channel's largest magnitude over ``feeds``, and how many values per channel that saw."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    del probe.graph.output[:]
-    probe.graph.output.extend(onnx.ValueInfoProto(name=name) for name in tensors)
-    session = _ort.session(probe, _ort.options(None, level="basic", spinning=False))
+    session = _ort.session(_ort.computing_only(model, tensors), _ort.options(None, level="basic", spinning=False))
     observed = ChannelMaxima(tensors)
     for feed in feeds:
         observed.observe(dict(zip(tensors, session.run(list(tensors), dict(feed)))))
