@@ -70,13 +70,17 @@ def session(model: onnx.ModelProto | bytes | str, session_options: ort.SessionOp
     return ort.InferenceSession(model, session_options or options(), providers=["CPUExecutionProvider"])
 
 
-def computing_only(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+def computing_only(model: onnx.ModelProto, outputs: Sequence[str],
+                   appended: onnx.GraphProto | None = None) -> onnx.ModelProto:
     """``model`` with ``outputs`` as its outputs and without the nodes they do not depend on (onnxruntime
     runs every node of a graph, needed or not: a detector's head after the last observed tensor is
-    most of its run). Graph inputs stay (the feeds name them all)."""
+    most of its run). Graph inputs stay (the feeds name them all). ``appended``'s nodes and
+    initializers count as the end of ``model``'s graph (a probe's additions, copied once)."""
     needed = set(outputs)
     kept = []
-    for node in reversed(model.graph.node):  # a graph's nodes are in topological order
+    extra_nodes = list(appended.node) if appended is not None else []
+    extra_initializers = list(appended.initializer) if appended is not None else []
+    for node in reversed([*model.graph.node, *extra_nodes]):  # a graph's nodes are in topological order
         if any(name in needed for name in node.output):
             kept.append(node)
             needed.update(node.input)
@@ -84,7 +88,7 @@ def computing_only(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.Model
     source = model.graph
     graph = onnx.GraphProto(name=source.name)
     graph.input.extend(source.input)
-    graph.initializer.extend(tensor for tensor in source.initializer if tensor.name in needed)
+    graph.initializer.extend(tensor for tensor in [*source.initializer, *extra_initializers] if tensor.name in needed)
     graph.sparse_initializer.extend(tensor for tensor in source.sparse_initializer if tensor.values.name in needed)
     graph.node.extend(reversed(kept))
     graph.output.extend(onnx.ValueInfoProto(name=name) for name in outputs)

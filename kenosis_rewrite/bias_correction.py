@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite import _qdq, fidelity
+from kenosis_rewrite import _ort, _qdq, fidelity
 from kenosis_rewrite.report import FixReport
 
 RULE_NAME = "bias-correction"
@@ -391,14 +391,14 @@ def _tap_means(plan: _Means, rows: _EdgeReads, columns: _EdgeReads, totals: np.n
 
 def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequence[_Means | None],
            opset: int) -> tuple[onnx.ModelProto, list[int]]:
-    """The FP32 model plus, per layer, the extra outputs the layer's mean shift is computed from,
-    and how many each layer has: where ``plans`` has a plan, its FP32 input and that input's
-    quantization error as channels ``z = [x; e]`` (a pointwise Conv: their mean over positions,
+    """The FP32 model, computing only (:func:`_ort.computing_only`) the outputs each layer's mean
+    shift is computed from, and how many each layer has: where ``plans`` has a plan, its FP32
+    input and that input's quantization error as channels ``z = [x; e]`` (a pointwise Conv: their mean over positions,
     (N, 2C, 1, 1); any other Conv: :func:`_tap_outputs` of z; Gemm: the (N, 2K) rows themselves);
     otherwise the mean of (quantized copy - FP32 layer) over positions.
 
-    The additions are built in a scratch graph, serialised alone and appended to a copy of
-    ``float_proto`` (the FP32 model is not converted to onnx_ir and back)."""
+    The additions are built in a scratch graph, serialised alone and appended to ``float_proto``'s
+    nodes (the FP32 model is not converted to onnx_ir and back)."""
     graph = ir.Graph([], [], nodes=[], name="bias-correction probe")
     names = _qdq.NameAllocator(graph, also_taken=_names_of(float_proto))
     values: dict[str, ir.Value] = {}
@@ -450,12 +450,7 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequen
             graph.outputs.append(result)
         counts.append(len(results))
     additions = ir.serde.serialize_graph(graph)
-    probe = onnx.ModelProto()
-    probe.CopyFrom(float_proto)
-    probe.graph.initializer.extend(additions.initializer)
-    probe.graph.node.extend(additions.node)
-    probe.graph.output.extend(additions.output)
-    return probe, counts
+    return _ort.computing_only(float_proto, [output.name for output in additions.output], appended=additions), counts
 
 
 def _dequantized_weights(layer: _Layer) -> np.ndarray:
@@ -508,7 +503,7 @@ def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds, by_me
     at_once = fidelity.concurrent_runs(len(feeds))
     probe, counts = _probe(float_proto, layers, plans, opset)
     session = fidelity.session(probe, at_once=at_once)
-    wanted = [o.name for o in session.get_outputs()][-sum(counts):]
+    wanted = [o.name for o in session.get_outputs()]
     spans = np.cumsum([0, *counts])
     per_feed: list[list[np.ndarray]] = [[] for _ in layers]
     edges: dict[tuple[_Means, int, int], _EdgeReads] = {}  # the feeds mostly share their sizes

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite import _qdq, _testing, fidelity, ort_quantize, toy_models
 from kenosis_rewrite.bias_correction import (
-    MIN_TAPPED_OUTPUTS, RULE_NAME, SIGNIFICANCE_Z, _edge_reads, _layer, _mean_plan, _Means, _shifts, _tap_means, correct_biases, first_input_readers,
+    MIN_TAPPED_OUTPUTS, RULE_NAME, SIGNIFICANCE_Z, _edge_reads, _layer, _mean_plan, _Means, _probe, _shifts, _tap_means, correct_biases, first_input_readers,
 )
 from kenosis_rewrite.quantize import quantize
 from kenosis_rewrite.report import FixReport
@@ -97,6 +97,29 @@ def test_depthwise_mean_shift_moves_into_the_bias_within_half_a_step():
     held_out = _feeds(6, seed=1)
     scores = fidelity.compare_to_float(float_model, {"before": before, "after": after}, held_out)
     assert scores["after"]["sqnr_db"] > scores["before"]["sqnr_db"]
+
+
+def test_the_probe_computes_only_what_the_shifts_read_and_measures_the_same():
+    """A head after the corrected layer (here a Softmax) is left out of the probe, and the shifts
+    equal those measured on the model without the head."""
+    float_model, feeds = _depthwise(), _feeds(4, seed=0)
+    with_head = onnx.ModelProto()
+    with_head.CopyFrom(float_model)
+    with_head.graph.node.append(helper.make_node("Softmax", ["y"], ["head"], axis=1, name="head"))
+    with_head.graph.output.append(helper.make_tensor_value_info("head", TensorProto.FLOAT, [1, CHANNELS, 12, 12]))
+    shifts = []
+    for model in (float_model, with_head):
+        quantized = ir.serde.deserialize_model(quantize(model, feeds, per_channel=False, bias_correction=False))
+        float_weights = {i.name: i for i in model.graph.initializer}
+        node = next(node for node in quantized.graph if node.name == "depthwise")
+        layer = _layer(node, first_input_readers(model), float_weights)
+        plans = [_mean_plan(layer, float_weights)]
+        probe, counts = _probe(model, [layer], plans, 17)
+        assert "Softmax" not in {node.op_type for node in probe.graph.node}
+        assert [o.name for o in probe.graph.output] == [o.name for o in probe.graph.output if o.name.startswith("kenosis_bias_shift")]
+        assert len(probe.graph.output) == sum(counts)
+        shifts.append(_shifts(model, [layer], feeds)[0])
+    np.testing.assert_array_equal(shifts[0], shifts[1])
 
 
 @pytest.mark.parametrize("name", ["resnetish", "conv_relu", "conv_clip", "gemm_relu", "concat"])
