@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -456,13 +457,31 @@ def test_prefetched_runs_update_the_same_statistics_in_the_same_order():
     names = list(collect.calibrated_tensors(model, feeds[0]))
     session = collect._session(collect._augmented(model, names))
     results = {}
-    for concurrent, ahead in ((False, False), (True, True), (True, False)):
+    # the toy's tensors are small: one task updates them all; views or session.run's copies
+    variants = ((False, False, True), (True, True, True), (True, False, True), (True, True, False), (False, False, False))
+    for concurrent, ahead, views in variants:
         histograms, seen = {}, []
         count = collect._run_group(session, names, iter(feeds), histograms, StreamingHistogram,
-                                   lambda run: seen.append(run["x"].copy()), concurrent=concurrent, ahead=ahead)
-        results[concurrent, ahead] = (count, histograms, seen)
-    for variant in ((True, True), (True, False)):
-        _assert_same_statistics(feeds, results[False, False], results[variant])
+                                   lambda run: seen.append(run["x"].copy()), concurrent=concurrent, ahead=ahead,
+                                   views=views)
+        results[concurrent, ahead, views] = (count, histograms, seen)
+    for variant in variants[1:]:
+        _assert_same_statistics(feeds, results[variants[0]], results[variant])
+
+
+def test_binning_tasks_batch_small_updates_in_order_and_give_large_ones_their_own():
+    from kenosis_rewrite.calibration import collect  # noqa: PLC0415
+
+    done = []
+    sizes = [1 << 20, 1 << 20, 3 << 20, 5 << 20, 1 << 10, 2 << 20]  # bytes
+    # as _run_group makes them: the array an update bins is the partial's first argument
+    updates = [functools.partial(lambda array, index: done.append(index), np.zeros(size, np.uint8), index)
+               for index, size in enumerate(sizes)]
+    tasks = collect._batched(updates)
+    assert len(tasks) == 3  # 1+1+3 MB reach 4 MB; 5 MB alone; the rest
+    for task in tasks:
+        task()
+    assert done == list(range(len(sizes)))
 
 
 def _assert_same_statistics(feeds, plain_run, concurrent_run):
@@ -527,7 +546,8 @@ def test_per_channel_in_graph_normalisation_means_raw_0_255_pixels():
     assert feed.min() >= 0 and feed.max() > 100
 
 
-def test_a_run_never_returns_a_view_of_its_feed():
+@pytest.mark.parametrize("views", [True, False])
+def test_a_run_never_returns_a_view_of_its_feed(views):
     """onnxruntime hands a graph input back as the feed's own memory: a view of it would read
     whatever reuses that memory once the feed is dropped (calibration ran ahead of the binning)."""
     from kenosis_rewrite.calibration import collect  # noqa: PLC0415
@@ -536,7 +556,7 @@ def test_a_run_never_returns_a_view_of_its_feed():
     feed = toy_models.random_feeds(model, 1, seed=5)[0]
     expected = feed["x"].copy()
     names = list(collect.calibrated_tensors(model, feed))
-    outputs = dict(zip(names, collect._tensors_of(collect._session(collect._augmented(model, names)), names, feed)))
+    outputs = dict(zip(names, collect._tensors_of(collect._session(collect._augmented(model, names)), names, feed, views)))
     feed["x"][...] = 7.0  # what a freed and reused buffer would show
     np.testing.assert_array_equal(outputs["x"], expected)
     assert all(isinstance(value, np.ndarray) for value in outputs.values())
