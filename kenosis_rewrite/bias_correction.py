@@ -393,10 +393,10 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequen
            opset: int) -> tuple[onnx.ModelProto, list[int]]:
     """The FP32 model, computing only (:func:`_ort.computing_only`) the outputs each layer's mean
     shift is computed from, and how many each layer has: where ``plans`` has a plan, its FP32
-    input and that input's quantization error as channels ``z = [x; e]`` (a pointwise Conv: the
-    means over positions of x and of e, each (N, C, 1, 1); any other Conv: :func:`_tap_outputs`
-    of z; Gemm: the (N, 2K) rows themselves); otherwise the mean of (quantized copy - FP32 layer)
-    over positions.
+    input and that input's quantization error as channels ``z = [x; e]`` (a pointwise Conv: their
+    means over positions, (N, C, 1, 1) each; any other Conv: :func:`_tap_outputs` of x, then of e;
+    Gemm: the (N, 2K) rows themselves); otherwise the mean of (quantized copy - FP32 layer) over
+    positions.
 
     The additions are built in a scratch graph, serialised alone and appended to ``float_proto``'s
     nodes (the FP32 model is not converted to onnx_ir and back)."""
@@ -436,13 +436,13 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequen
         quantized_x = copy(input_dq, copy(quantize, x))
         if plan is not None:
             error = add(ir.node("Sub", [quantized_x, x]))
-            if node.op_type == "Conv" and plan.pointwise:
-                # x's and e's means apart: z's channels are only ever averaged, not worth a copy
-                results = [add(ir.node("GlobalAveragePool", [x])), add(ir.node("GlobalAveragePool", [error]))]
+            if node.op_type == "Conv":
+                # x's outputs, then e's: _shifts joins them as z's (z itself would copy both)
+                results = ([add(ir.node("GlobalAveragePool", [x])), add(ir.node("GlobalAveragePool", [error]))]
+                           if plan.pointwise else
+                           [*_tap_outputs(plan, x, add, constant, opset), *_tap_outputs(plan, error, add, constant, opset)])
             else:
                 results = [add(ir.node("Concat", [x, error], attributes={"axis": 1}))]
-                if node.op_type == "Conv":
-                    results = _tap_outputs(plan, results[0], add, constant, opset)
         else:
             weights = copy(weight_dq, _initializer(graph, names, weight_dq.inputs[0]))
             bias = (_initializer(graph, names, node.inputs[2]) if layer.bias_scale is None
@@ -521,8 +521,11 @@ def _shifts(float_proto: onnx.ModelProto, layers: Sequence[_Layer], feeds, by_me
     for run in fidelity.each_run(session, feeds, at_once, wanted):
         for i, plan in enumerate(plans):
             outputs = run[spans[i]:spans[i + 1]]
-            if len(outputs) <= 2:  # a Gemm's [x; e] rows, a pointwise Conv's means of x and e, a copy's shift
-                per_feed[i].append(np.concatenate([_channel_means(output) for output in outputs]))
+            if len(outputs) > 1:  # a Conv's outputs of x, then of e: z = [x; e]'s, along the channels
+                half = len(outputs) // 2
+                outputs = [np.concatenate(pair, axis=1) for pair in zip(outputs[:half], outputs[half:])]
+            if len(outputs) == 1:
+                per_feed[i].append(_channel_means(outputs[0]))
                 continue
             _, top, _, left, _ = outputs
             per_feed[i].append(_tap_means(plan, edge_reads(plan, left.shape[2], 0), edge_reads(plan, top.shape[3], 1), *outputs))
