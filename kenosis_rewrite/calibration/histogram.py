@@ -153,7 +153,7 @@ class PercentileTails(StreamingHistogram):
     both sides. :meth:`percentile_range` returns the range only where those bounds prove that both
     percentile bins, and the first and last occupied bins, are the ones the full histogram has;
     otherwise None (measure the tensor again with a :class:`StreamingHistogram`). Each value is
-    read once from memory and compared in cache: 0.56-0.72 ns a value, against 2.1-2.5 ns to bin it
+    read once from memory and compared in cache: 0.47-0.56 ns a value, against 2.1-2.6 ns to bin it
     (``examples/histogram_tails_speed.py``).
     """
 
@@ -199,29 +199,36 @@ class PercentileTails(StreamingHistogram):
             self._pick_thresholds(finite)
         low, high = self.thresholds
         chunk = min(values.size, _TAIL_CHUNK)
-        below, above = np.empty(chunk, bool), np.empty(chunk, bool)
-        lows, highs, tails, spikes = [], [], [], [0] * len(self.spikes)
+        inside, within = np.empty(chunk, bool), np.empty(chunk, bool)
+        tails, spikes = [], [0] * len(self.spikes)
         for start in range(0, values.size, chunk):
             part = values[start:start + chunk]
-            outside, beyond = below[:part.size], above[:part.size]
-            lows.append(part.min())
-            highs.append(part.max())
-            np.less(part, low, out=outside)
-            np.greater(part, high, out=beyond)
-            outside |= beyond
+            outside, scratch = inside[:part.size], within[:part.size]
+            # not low <= value <= high: the tails, and NaN, which fails both comparisons
+            np.greater_equal(part, low, out=outside)
+            outside &= np.less_equal(part, high, out=scratch)
+            np.logical_not(outside, out=outside)
             tails.append(np.compress(outside, part))
             for index, spike in enumerate(self.spikes):
-                spikes[index] += int(np.count_nonzero(np.equal(part, spike, out=beyond)))
-        smallest, largest = float(np.min(lows)), float(np.max(highs))  # NaN propagates
-        if not (np.isfinite(smallest) and np.isfinite(largest)):  # NaN/inf: as the base class, finite values only
-            finite = values[np.isfinite(values)]
-            if finite.size:
-                self.update(finite)
-            return
+                spikes[index] += int(np.count_nonzero(np.equal(part, spike, out=scratch)))
+        binned = np.concatenate(tails)
+        # The extremes lie in the tails. Without a tail on a side, that side's extreme is within the
+        # thresholds, values of the first update: it is the threshold itself in the first update
+        # (the threshold is one of its values), and later it moves neither the covered interval nor
+        # the minimum / maximum so far, which hold the first update's values; so the threshold
+        # stands in for it, with the same effect.
+        smallest, largest = float(low), float(high)
+        if binned.size:
+            tail_low, tail_high = float(binned.min()), float(binned.max())  # NaN propagates
+            if not (np.isfinite(tail_low) and np.isfinite(tail_high)):  # NaN/inf: as the base class, finite values only
+                finite = values[np.isfinite(values)]
+                if finite.size:
+                    self.update(finite)
+                return
+            smallest, largest = min(smallest, tail_low), max(largest, tail_high)
         self.count += values.size
         self.minimum, self.maximum = min(self.minimum, smallest), max(self.maximum, largest)
         self._cover(smallest, largest)
-        binned = np.concatenate(tails)
         if binned.size:
             self._add(binned)
         between = values.size - binned.size - sum(spikes)
