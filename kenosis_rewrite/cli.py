@@ -86,6 +86,7 @@ def _quantize(args: argparse.Namespace) -> int:
         calibration_samples=args.samples, calibration_method=args.method, target_cosine=args.fidelity,
         snr_threshold_db=args.snr_threshold, optimize_for=args.optimize_for, return_report=True,
         bias_correction=not args.no_bias_correction, share_concat_ranges=not args.separate_concat_ranges,
+        compare_quantize_static=args.compare_quantize_static,
     )
     save(model, args.output)
     if args.report:
@@ -187,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--target", default="ort-cpu")
     quant.add_argument("--optimize-for", choices=["latency"], default=None)
     quant.add_argument("--report", action="store_true")
+    quant.add_argument("--compare-quantize-static", action="store_true",
+                       help="also report the fidelity of quantize_static's own model (one more model to run)")
     quant.set_defaults(handler=_quantize)
     weights = commands.add_parser("quantize-weights", help="weight-only int4/int8 MatMul/Gemm weights (MatMulNBits)")
     weights.add_argument("input", help="float .onnx model (any size; external data is read one weight at a time)")

@@ -97,6 +97,23 @@ def test_fidelity_target_never_makes_things_worse():
     assert "sensitivity:" in strict_report.summary()
 
 
+def test_the_report_compares_with_quantize_static_only_when_asked():
+    """By default the report scores the returned model alone; ``compare_quantize_static`` adds
+    quantize_static's own model, and changes neither the model nor its score."""
+    float_model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(float_model, 10)
+    model, report = quantize(float_model, feeds, return_report=True)
+    compared_model, compared = quantize(float_model, feeds, compare_quantize_static=True, return_report=True)
+    assert set(report.fidelity) == {"quantized"} and set(compared.fidelity) == {"quantize_static", "quantized"}
+    assert model.SerializeToString() == compared_model.SerializeToString()
+    assert report.fidelity["quantized"] == compared.fidelity["quantized"]
+    # the scores are the returned model's on the first FIDELITY_FEEDS calibration feeds
+    expected = fidelity.compare_to_float(float_model, {"quantized": model}, feeds[:8])["quantized"]
+    assert report.fidelity["quantized"]["cosine"] == pytest.approx(expected["cosine"], abs=1e-9)
+    assert 0.9 < compared.fidelity["quantize_static"]["cosine"] <= 1.0 + 1e-9
+    assert "quantize_static" in compared.summary() and "quantize_static:" not in report.summary()
+
+
 @pytest.mark.parametrize("target", ["tensorrt", "npu", "ort-cpu-arm"])
 def test_other_targets_quantize_symmetric_or_int8(target):
     float_model = toy_models.build("conv_relu")
