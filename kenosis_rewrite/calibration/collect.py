@@ -365,18 +365,15 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
 def _batched(updates: list[functools.partial]) -> list[Callable[[], None]]:
     """``updates`` (each a histogram's update of one array) as tasks of at least ``_TASK_BYTES``
     each, but the last: a larger array's update is a task of its own."""
-    tasks: list[Callable[[], None]] = []
-    batch: list[functools.partial] = []
+    batches: list[list[functools.partial]] = [[]]
     size = 0
     for update in updates:
-        batch.append(update)
-        size += update.args[0].nbytes
         if size >= _TASK_BYTES:
-            tasks.append(batch[0] if len(batch) == 1 else functools.partial(_run_each, batch))
-            batch, size = [], 0
-    if batch:
-        tasks.append(batch[0] if len(batch) == 1 else functools.partial(_run_each, batch))
-    return tasks
+            batches.append([])
+            size = 0
+        batches[-1].append(update)
+        size += update.args[0].nbytes
+    return [batch[0] if len(batch) == 1 else functools.partial(_run_each, batch) for batch in batches if batch]
 
 
 def _run_each(tasks: Sequence[Callable[[], None]]) -> None:

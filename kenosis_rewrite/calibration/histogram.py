@@ -199,11 +199,11 @@ class PercentileTails(StreamingHistogram):
             self._pick_thresholds(finite)
         low, high = self.thresholds
         chunk = min(values.size, _TAIL_CHUNK)
-        inside, within = np.empty(chunk, bool), np.empty(chunk, bool)
+        masks, scratches = np.empty(chunk, bool), np.empty(chunk, bool)
         tails, spikes = [], [0] * len(self.spikes)
         for start in range(0, values.size, chunk):
             part = values[start:start + chunk]
-            outside, scratch = inside[:part.size], within[:part.size]
+            outside, scratch = masks[:part.size], scratches[:part.size]
             # not low <= value <= high: the tails, and NaN, which fails both comparisons
             np.greater_equal(part, low, out=outside)
             outside &= np.less_equal(part, high, out=scratch)
