@@ -241,6 +241,28 @@ def test_percentile_tails_give_the_full_histograms_percentile_or_say_they_cannot
     assert settled >= 30
 
 
+@pytest.mark.parametrize("size", [1, 5, 300, 4095, 4096, 20_000])
+def test_histogram_bins_are_the_documented_float32_arithmetic_at_every_size(size):
+    """Few values are counted one by one, many by a bincount: the same bins, those of
+    floor((x - lo) * (1 / width)) in float32, clipped to the histogram; and _index(x) names the bin
+    x is counted in (the tails' thresholds and spikes are counted through it)."""
+    rng = np.random.default_rng(size)
+    histogram = StreamingHistogram(bins=2048)
+    histogram.update(rng.standard_normal(1000).astype(np.float32))  # sets lo and width
+    values = (rng.standard_normal(size) * 1.5).astype(np.float32)  # some beyond the covered interval
+    values[: max(1, size // 10)] = histogram.lo  # on the lower edge
+    before = histogram.counts.copy()
+    histogram._add(values)
+    positions = (values - np.float32(histogram.lo)) * np.float32(1.0 / histogram.width)
+    expected = np.bincount(np.clip(positions, 0, histogram.bins - 1).astype(np.int64), minlength=histogram.bins)
+    np.testing.assert_array_equal(histogram.counts - before, expected)
+    for value in values[:50]:
+        single = StreamingHistogram(bins=2048)
+        single.lo, single.width = histogram.lo, histogram.width
+        single._add(np.array([value], np.float32))
+        assert np.flatnonzero(single.counts).tolist() == [histogram._index(value)]
+
+
 def test_percentile_tails_cannot_give_other_ranges():
     tails = PercentileTails()
     tails.update(np.arange(10.0))
