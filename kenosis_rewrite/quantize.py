@@ -417,6 +417,9 @@ def quantize(
         raise KenosisError(f"calibration ({calibration_method}) failed on this model: {one_line(error)}") from error
     if share_concat_ranges and chosen_plan == "full":  # the weighted plan leaves Concats float
         ranges = _shared_concat_ranges(proto, ranges, options.get("nodes_to_exclude", ()), report)
+    # the final fidelity's runs of the model as given, on the core quantize_static's Python leaves
+    # idle (started later, they took a core from bias correction's probe); float_runs is the worker's
+    float_runs.prefetch((True, FIDELITY_FEEDS))
     try:
         with quiet_logger():
             qdq = calib.quantize_with_ranges(proto, ranges, serialised=unconverted, **options)
@@ -424,8 +427,8 @@ def quantize(
         raise
     except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
         raise KenosisError(f"onnxruntime's quantize_static failed on this model: {one_line(error)}") from error
-    # the final fidelity's runs of the model as given and of quantize_static's, on the idle core
-    # while the passes below hold the other with Python; float_runs is the worker's until then
+    # quantize_static's own runs (when compared) after those, on the idle core while the passes
+    # below hold the other with Python; float_runs is the worker's until then
     plain_runs = fidelity.Background(functools.partial(_plain_runs, float_runs, qdq if compare_quantize_static else None))
     model = ir.serde.deserialize_model(qdq)
     quantized_nodes = {node.name for node in model.graph if node.name}
