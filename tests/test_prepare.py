@@ -186,3 +186,39 @@ def test_graphs_that_route_inputs_by_value_are_verified_on_every_feed():
     assert not canonical._routes_by_data(work)
     work.graph.append(ir.node("NonZero", [work.graph.inputs[0]]))
     assert canonical._routes_by_data(work)
+
+
+@pytest.mark.parametrize("export", ["tf_same_padding", "nhwc_export"])
+def test_folding_skips_shape_inference_only_where_it_would_change_nothing(export, monkeypatch):
+    """The fold's constant folding leaves out ONNX shape inference on nodes whose outputs already
+    have static shapes: the same folded graph as onnxscript's own pass, with fewer inferences."""
+    from onnxscript.optimizer._constant_folding import FoldConstantsPass
+
+    model = toy_models.build_export(export)
+    dims = {"tf_same_padding": [1, toy_models.C, 18, 23], "nhwc_export": [1, 16, 16, toy_models.C]}[export]
+    inferred = collections.Counter()
+    original_inference = FoldConstantsPass._do_inference
+
+    def counted(self, node):
+        inferred[type(self).__name__] += 1
+        original_inference(self, node)
+
+    monkeypatch.setattr(FoldConstantsPass, "_do_inference", counted)
+
+    def folded(skipping: bool) -> bytes:
+        work = ir.serde.deserialize_model(model)
+        canonical.pin_input_shapes(work, {"x": dims}, "test", FixReport(target="test"))
+        if not skipping:
+            monkeypatch.setattr(canonical._FoldConstantsKnownShapesPass, "_do_inference", counted)
+        canonical._fold(work)
+        canonical._fold(work)  # a second fold: every output's shape known
+        monkeypatch.undo()
+        monkeypatch.setattr(FoldConstantsPass, "_do_inference", counted)
+        return ir.serde.serialize_model(work).SerializeToString()
+
+    inferred.clear()
+    expected = folded(skipping=False)
+    every_node = sum(inferred.values())
+    inferred.clear()
+    assert folded(skipping=True) == expected
+    assert 0 < sum(inferred.values()) < every_node, (sum(inferred.values()), every_node)
