@@ -420,6 +420,8 @@ def quantize(
     # the final fidelity's runs of the model as given, on the core quantize_static's Python leaves
     # idle (started later, they took a core from bias correction's probe); float_runs is the worker's
     float_runs.prefetch((True, FIDELITY_FEEDS))
+    # and weight rounding's factors of H^-1, which need only the gathered moments (LAPACK, no GIL)
+    factors = fidelity.Background(layer_inputs.inverse_factors) if layer_inputs is not None else None
     try:
         with quiet_logger():
             qdq = calib.quantize_with_ranges(proto, ranges, serialised=unconverted, **options)
@@ -441,7 +443,8 @@ def quantize(
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph, quantized_nodes=quantized_nodes)(model)
     if weight_rounding:
-        rounded = round_weights(proto, model, feeds, report, gathered=layer_inputs)
+        rounded = round_weights(proto, model, feeds, report, gathered=layer_inputs,
+                                factors=factors.result() if factors is not None else None)
         report.note(f"weight rounding: {rounded} layers")
     if bias_correction:
         corrected = correct_biases(proto, model, feeds, report)

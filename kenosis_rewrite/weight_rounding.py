@@ -266,6 +266,13 @@ class InputMoments:
             return None
         return moment
 
+    def inverse_factors(self) -> dict[str, np.ndarray | None]:
+        """:func:`inverse_factor` of every gathered layer's ``H``, by FP32 layer output. It needs only
+        the moments: quantize() computes it on an idle core while quantize_static runs (LAPACK
+        releases the GIL), and :func:`round_weights` uses it for the layers :meth:`of` answers."""
+        return {reference: inverse_factor(moment.hessian())
+                for reference, moment in self._moments.items() if moment.count}
+
 
 def _measure(float_model: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> list[_Moments]:
     model = onnx.ModelProto()
@@ -298,19 +305,33 @@ def _grid(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
     return scale, zero
 
 
+def inverse_factor(hessian: np.ndarray, damping: float = DAMPING) -> np.ndarray | None:
+    """``U``, the upper Cholesky factor of ``(H + damp I)^-1`` (of each matrix of a stack), or None
+    where it does not exist (then :func:`sequential_round` rounds to nearest). Each matrix's factor
+    is computed on its own: a stack's is its matrices' stacked."""
+    diagonal = np.diagonal(hessian, axis1=-2, axis2=-1)
+    damped = hessian + (damping * diagonal.mean(axis=-1)[..., None, None] + 1e-12) * np.eye(hessian.shape[-1])
+    try:
+        return np.swapaxes(np.linalg.cholesky(np.linalg.inv(damped)), -1, -2)
+    except np.linalg.LinAlgError:
+        return None
+
+
+_UNFACTORED = object()  # sequential_round computes U itself
+
+
 def sequential_round(weights: np.ndarray, hessian: np.ndarray, scale: np.ndarray, zero: np.ndarray,
-                     qmin: int, qmax: int, damping: float = DAMPING) -> np.ndarray:
+                     qmin: int, qmax: int, damping: float = DAMPING, upper=_UNFACTORED) -> np.ndarray:
     """Integer weights (rows, columns) rounded column by column with error compensation (see the
     module docstring). ``hessian``: (columns, columns) shared by all rows, or (rows, columns, columns).
     Falls back to round-to-nearest per row where that measures better, and never leaves
-    ``MAX_STEPS`` of round-to-nearest."""
+    ``MAX_STEPS`` of round-to-nearest. ``upper``: :func:`inverse_factor` of ``hessian`` with
+    ``damping``, if already computed."""
     nearest = np.clip(np.rint(weights / scale) + zero, qmin, qmax)
     h = np.broadcast_to(hessian, (weights.shape[0], *hessian.shape[-2:])) if hessian.ndim == 3 else hessian
-    diagonal = np.diagonal(h, axis1=-2, axis2=-1)
-    damped = h + (damping * diagonal.mean(axis=-1)[..., None, None] + 1e-12) * np.eye(h.shape[-1])
-    try:
-        upper = np.swapaxes(np.linalg.cholesky(np.linalg.inv(damped)), -1, -2)
-    except np.linalg.LinAlgError:
+    if upper is _UNFACTORED:
+        upper = inverse_factor(h, damping)
+    if upper is None:
         return nearest
     low, high = np.maximum(nearest - MAX_STEPS, qmin), np.minimum(nearest + MAX_STEPS, qmax)
     work, result = weights.copy(), np.empty_like(nearest)
@@ -356,11 +377,13 @@ def round_weights(
     report: FixReport | None = None,
     max_columns: int | None = MAX_COLUMNS,
     gathered: InputMoments | None = None,
+    factors: Mapping[str, np.ndarray | None] | None = None,
 ) -> int:
     """Re-round, in place, the integer weights of the Conv/Gemm/MatMul layers of ``model`` it can match
     with ``float_model`` (see the module docstring) and whose weights per output channel are at most
     ``max_columns`` (None: every layer). ``gathered``: inputs already seen on ``feeds`` (the layers
-    it has are not run again). Returns the number of layers re-rounded."""
+    it has are not run again); ``factors``: its :meth:`InputMoments.inverse_factors`, if computed.
+    Returns the number of layers re-rounded."""
     layers = [layer for layer in matched_layers(float_model, model, _OPS, _layer, RULE_NAME, report)
               # round-to-nearest is as good on wide layers (measured), and H would cost columns**2
               if max_columns is None or layer.weights.shape[1] <= max_columns]
@@ -382,10 +405,16 @@ def round_weights(
                                "fit these calibration inputs, not the layer")
             continue
         hessian = moment.hessian()
+        upper = _UNFACTORED
+        if factors is not None and gathered is not None and layer.reference in factors and moment is gathered.of(layer):
+            upper = factors[layer.reference]
         if layer.rows_per_group:
             hessian = np.repeat(hessian, layer.rows_per_group, axis=0)
+            if upper is not _UNFACTORED and upper is not None:
+                upper = np.repeat(upper, layer.rows_per_group, axis=0)  # each channel's matrix, factored alone
         scale, zero = _grid(layer)
-        integers = sequential_round(layer.weights, hessian, scale, zero, layer.params.qmin, layer.params.qmax)
+        integers = sequential_round(layer.weights, hessian, scale, zero, layer.params.qmin, layer.params.qmax,
+                                    upper=upper)
         before = np.clip(np.rint(layer.weights / scale) + zero, layer.params.qmin, layer.params.qmax)
         _store(layer, integers)
         if report is not None:

@@ -230,6 +230,17 @@ def test_inputs_gathered_from_the_calibration_run_round_as_measured_ones(monkeyp
     from_calibration, report = _rounded(float_model, quantized, feeds, gathered=gathered)
     assert from_calibration.SerializeToString() == measured.SerializeToString()
     assert any(c.rule == RULE_NAME for c in report.changes)
+    # the factors of H^-1 computed beforehand (quantize() does it beside quantize_static): the same
+    # model, and round_weights factors nothing itself
+    factors = gathered.inverse_factors()
+    assert factors and all(upper is not None for upper in factors.values())
+
+    def no_factoring(*args):
+        raise AssertionError("the gathered layers' factors were given")
+
+    monkeypatch.setattr(weight_rounding, "inverse_factor", no_factoring)
+    prefactored, _ = _rounded(float_model, quantized, feeds, gathered=gathered, factors=factors)
+    assert prefactored.SerializeToString() == measured.SerializeToString()
 
 
 def _dense(fan_in: int = 24) -> onnx.ModelProto:
