@@ -172,8 +172,8 @@ class _FoldConstantsKnownShapesPass(FoldConstantsPass):
     """onnxscript's FoldConstantsPass, without running ONNX shape inference again on a node whose
     outputs all have a type and a static shape: inference merges its shape into theirs keeping
     their static dims, and its type is theirs (in a graph whose types are consistent, which ONNX
-    Runtime checks anyway). Half of a fold's time on the PaddleOCR exports was that inference, made
-    on every node at every step of every fold."""
+    Runtime checks anyway). That inference, made on every node at every step of every fold, was
+    about half of the constant folding's time on the shape-pinned PaddleOCR exports."""
 
     def _do_inference(self, node: ir.Node) -> None:
         if all(output.type is not None and output.shape is not None and output.shape.is_static()
@@ -191,9 +191,10 @@ def _optimize_ir(model: ir.Model, num_iterations: int) -> None:
         common_passes.InlinePass(),
         ir.passes.PassManager(
             [
-                _FoldConstantsKnownShapesPass(shape_inference=True, input_size_limit=DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-                                  output_size_limit=DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
-                                  should_fold=lambda node: None),
+                _FoldConstantsKnownShapesPass(shape_inference=True,
+                                              input_size_limit=DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                                              output_size_limit=DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                                              should_fold=lambda node: None),
                 RewritePass(op_filtered(_DEFAULT_REWRITE_RULES)),
                 common_passes.RemoveUnusedNodesPass(),
                 common_passes.RemoveUnusedFunctionsPass(),
