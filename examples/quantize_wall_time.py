@@ -1,11 +1,16 @@
 """Wall time of quantize() on zoo models, calibrated on the 16 scenes the zoo benchmarks use.
 
-    python examples/quantize_wall_time.py mobilenet_v2,efficientnet_lite0 [--runs 3]
+    python examples/quantize_wall_time.py mobilenet_v2,efficientnet_lite0 [--runs 3] [--against inc]
 
 One untimed call first (imports, the model's first load), then ``--runs`` timed calls: wall time,
 and the process's CPU time over all its threads (on a shared host the wall time moves with the
 neighbours' load; the CPU time much less). To compare two versions of the code, run it from each
 checkout in turn (``PYTHONPATH=/path/to/checkout``).
+
+``--against PEER`` (nncf, inc, quark; installed with ``kenosis-rewrite peers install PEER``)
+quantizes the same model on the same feeds with the peer after each run, interleaved (after one
+untimed run of its own), and prints the peer's time (its quantize call alone, in its own
+interpreter) and the ratio of each round.
 """
 
 from __future__ import annotations
@@ -15,26 +20,39 @@ import sys
 import time
 
 import kenosis_rewrite
-from kenosis_rewrite import zoo
+from kenosis_rewrite import peers, zoo
+
+
+def _seconds(values: list[float]) -> str:
+    return " ".join(f"{value:.2f}" for value in values)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", help="zoo model names, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--against", metavar="PEER", help="also time this peer, interleaved with quantize()")
     args = parser.parse_args(argv)
     scenes = zoo.load_photo_set("scenes")[:16]
     for name in args.models.split(","):
         model = zoo.load_model(name)
         feeds = zoo.model_feeds(name, scenes)
         kenosis_rewrite.quantize(model, calibration=feeds[:2])
-        seconds, cpu = [], []
+        if args.against:  # and the peer's first run (its interpreter's files read from disk)
+            peers.quantize_with_peer(args.against, model, feeds[:2])
+        seconds, cpu, theirs = [], [], []
         for _ in range(args.runs):
             start, start_cpu = time.perf_counter(), time.process_time()
             kenosis_rewrite.quantize(model, calibration=feeds)
             seconds.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-        print(name, " ".join(f"{s:.2f}" for s in seconds), "s, CPU", " ".join(f"{s:.2f}" for s in cpu), "s")
+            if args.against:
+                theirs.append(peers.quantize_with_peer(args.against, model, feeds).wall_s)
+        line = f"{name} {_seconds(seconds)} s, CPU {_seconds(cpu)} s"
+        if theirs:
+            ratios = [ours / peer for ours, peer in zip(seconds, theirs)]
+            line += f"; {args.against} {_seconds(theirs)} s; ratio {_seconds(ratios)}"
+        print(line, flush=True)
     return 0
 
 
