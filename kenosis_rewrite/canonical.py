@@ -176,8 +176,8 @@ class _FoldConstantsKnownShapesPass(FoldConstantsPass):
     about half of the constant folding's time on the shape-pinned PaddleOCR exports."""
 
     def _do_inference(self, node: ir.Node) -> None:
-        if all(output.type is not None and output.shape is not None and output.shape.is_static()
-               for output in node.outputs):
+        if all(output.type is not None and output.shape is not None
+               and all(isinstance(dim, int) for dim in output.shape) for output in node.outputs):
             return
         super()._do_inference(node)
 
