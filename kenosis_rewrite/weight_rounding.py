@@ -405,12 +405,12 @@ def round_weights(
                                "fit these calibration inputs, not the layer")
             continue
         hessian = moment.hessian()
-        upper = _UNFACTORED
-        if factors is not None and gathered is not None and layer.reference in factors and moment is gathered.of(layer):
-            upper = factors[layer.reference]
+        # the factor computed beforehand belongs to the gathered moments, not to ones measured here
+        prefactored = factors is not None and gathered is not None and moment is gathered.of(layer)
+        upper = factors.get(layer.reference, _UNFACTORED) if prefactored else _UNFACTORED
         if layer.rows_per_group:
             hessian = np.repeat(hessian, layer.rows_per_group, axis=0)
-            if upper is not _UNFACTORED and upper is not None:
+            if isinstance(upper, np.ndarray):
                 upper = np.repeat(upper, layer.rows_per_group, axis=0)  # each channel's matrix, factored alone
         scale, zero = _grid(layer)
         integers = sequential_round(layer.weights, hessian, scale, zero, layer.params.qmin, layer.params.qmax,
