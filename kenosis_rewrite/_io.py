@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.errors import (
+    AlreadyQuantizedError,
     KenosisError,
     InvalidModelError,
     ModelTooLargeError,
@@ -289,6 +290,36 @@ def check_quantized(model: ir.Model) -> list[str]:
             "kenosis_rewrite.quantize)."
         )
     return []
+
+
+# Ops that only a quantized model has: Q/DQ, QOperator and dynamic (run-time) integer ops, and
+# onnxruntime's contrib forms of them (com.microsoft: QGemm, QAttention, MatMulNBits, QLinear*, QOrdered*)
+QUANTIZED_OPS = frozenset({
+    _qdq.QUANTIZE, _qdq.DEQUANTIZE, *QOPERATOR_OPS, *DYNAMIC_INTEGER_OPS, *FUSED_WEIGHT_ONLY_OPS,
+    "QGemm", "QAttention", "QEmbedLayerNormalization", "MatMulIntegerToFloat", "DynamicQuantizeMatMul",
+    "DynamicQuantizeLSTM",
+})
+_QUANTIZED_PREFIXES = ("QLinear", "QOrdered")
+
+
+def check_float(model: ir.Model, caller: str) -> None:
+    """Refuse a model that is already quantized where ``caller`` needs the FP32 one: quantizing its
+    integer ops again fails deep inside quantize_static (a dynamic model's ``KeyError: '140_scale'``)
+    or returns it unchanged (QOperator)."""
+    counts: dict[str, int] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain in (*_qdq.DEFAULT_DOMAINS, "com.microsoft") and (
+                node.op_type in QUANTIZED_OPS or node.op_type.startswith(_QUANTIZED_PREFIXES)):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    if not counts:
+        return
+    found = ", ".join(f"{count} {op_type}" for op_type, count in sorted(counts.items(), key=lambda item: -item[1]))
+    qdq = (_qdq.QUANTIZE in counts or _qdq.DEQUANTIZE in counts) and not QOPERATOR_OPS.intersection(counts)  # fix() takes it
+    raise AlreadyQuantizedError(
+        f"{caller} takes an FP32 model, and this one is already quantized (it has {found}). Pass the FP32 "
+        "model it was quantized from" + ("; or, to make this QDQ model faster as it is, use kenosis_rewrite.fix() "
+                                         "(`kenosis-rewrite fix`)." if qdq else ".")
+    )
 
 
 def external_base_dir(model: ir.Model) -> str | None:

@@ -408,6 +408,7 @@ def prepare(
         The prepared model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
     """
     loaded = _io.load(model, require_qdq=False)
+    _io.check_float(loaded.model, "prepare()")
     report = FixReport(target="prepare")
     for note in loaded.notes:
         report.note(note)

@@ -37,6 +37,10 @@ class NoQDQError(KenosisError):
     """The model has no QuantizeLinear/DequantizeLinear nodes: there is nothing to fix."""
 
 
+class AlreadyQuantizedError(KenosisError):
+    """quantize()/prepare() take an FP32 model; this one is already quantized (QDQ, QOperator or dynamic)."""
+
+
 class QOperatorFormatError(KenosisError):
     """The model uses QOperator format (QLinearConv, ...) instead of QDQ; re-quantize with QuantFormat.QDQ."""
 

@@ -337,6 +337,7 @@ def quantize(
         The model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
     """
     loaded = _io.load(float_model, require_qdq=False)
+    _io.check_float(loaded.model, "quantize()")
     if loaded.large:
         raise ModelTooLargeError(
             "quantize() calibrates activations by running the whole model in ONNX Runtime and quantizes it "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 import pytest
-from onnxruntime.quantization import QuantFormat
+from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic
 
 import kenosis_rewrite
 from kenosis_rewrite import ort_quantize, toy_models
@@ -41,6 +41,32 @@ def test_qoperator_format_is_refused():
         kenosis_rewrite.fix(qop)
 
 
+@pytest.mark.parametrize("form", ["qdq", "qoperator", "dynamic-conv", "dynamic-matmul"])
+def test_quantize_and_prepare_refuse_a_quantized_model(form, tmp_path):
+    """quantize() of a dynamic model failed inside quantize_static (KeyError: 'relu_13_scale', as on
+    ddddocr 1.6.1's common_old.onnx), of a QDQ one inside onnx_ir, and a QOperator one came back
+    unchanged: each is refused up front, naming its quantized ops and what to pass instead."""
+    float_model = toy_models.build("matmul_relu" if form == "dynamic-matmul" else "conv_relu")
+    feeds = toy_models.random_feeds(float_model, 2)
+    if form.startswith("dynamic"):
+        onnx.save(float_model, tmp_path / "float.onnx")
+        quantize_dynamic(tmp_path / "float.onnx", tmp_path / "dynamic.onnx", weight_type=QuantType.QUInt8)
+        quantized = onnx.load(tmp_path / "dynamic.onnx")
+        named = "ConvInteger" if form == "dynamic-conv" else "MatMulInteger"
+    else:
+        quantized = ort_quantize.quantize_with_ort(
+            float_model, feeds, "u8s8", quant_format=QuantFormat.QDQ if form == "qdq" else QuantFormat.QOperator)
+        named = "DequantizeLinear" if form == "qdq" else "QLinearConv"
+    before = quantized.SerializeToString()
+    for call, caller in ((lambda: kenosis_rewrite.quantize(quantized, calibration=feeds), "quantize()"),
+                         (lambda: kenosis_rewrite.prepare(quantized, feeds), "prepare()")):
+        with pytest.raises(kenosis_rewrite.AlreadyQuantizedError, match=rf"{caller[:-2]}\(\) takes an FP32 model.*\d+ {named}") as raised:
+            call()
+        assert ("kenosis_rewrite.fix()" in str(raised.value)) == (form == "qdq")
+    assert quantized.SerializeToString() == before
+    kenosis_rewrite.quantize(float_model, calibration=feeds)  # the FP32 model it came from is accepted
+
+
 def test_old_opset_is_refused():
     model = onnx.parser.parse_model("""
     <ir_version: 4, opset_import: ["" : 9]>
@@ -58,7 +84,7 @@ def test_invalid_graph_is_refused():
 
 
 def test_every_error_is_a_kenosis_error():
-    for name in ("NotAnOnnxModelError", "InvalidModelError", "NoQDQError", "QOperatorFormatError",
+    for name in ("NotAnOnnxModelError", "InvalidModelError", "AlreadyQuantizedError", "NoQDQError", "QOperatorFormatError",
                  "UnsupportedOpsetError", "ModelTooLargeError", "UnsupportedTargetError", "ZooError",
                  "RuntimeMeasurementError", "RewriteError"):
         assert issubclass(getattr(kenosis_rewrite, name), kenosis_rewrite.KenosisError)
