@@ -77,3 +77,35 @@ def test_same_model_as_quantize_static_with_symmetric_activations_and_reduce_ran
     options["weight_type"] = QuantType.QInt16
     ort_bytes, our_bytes = _both(model, **options)
     assert ort_bytes == our_bytes
+
+
+def _conv_with_tiny_weights_and_large_biases() -> onnx.ModelProto:
+    """A Conv whose channels 0 and 2 have weights so small and biases so large that input scale x
+    weight scale would put the int32 bias out of range: quantize_static raises those weight scales."""
+    rng = np.random.default_rng(1)
+    weights = rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * np.float32(0.1)
+    weights[0] *= np.float32(1e-6)
+    weights[2] *= np.float32(3e-5)
+    bias = np.array([1e3, 0.5, -2e4, 0.0], np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w", "b"], ["conv"], pads=[1, 1, 1, 1]),
+         onnx.helper.make_node("Relu", ["conv"], ["y"])],
+        "tiny_weights",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+        [onnx.numpy_helper.from_array(weights, "w"), onnx.numpy_helper.from_array(bias, "b")],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_weight_scales_raised_for_int32_biases_as_quantize_static_raises_them(per_channel):
+    model = _conv_with_tiny_weights_and_large_biases()
+    ort_bytes, our_bytes = _both(model, **quantize_static_options("ort-cpu", per_channel))
+    assert ort_bytes == our_bytes
+    if not per_channel:
+        return  # one scale for all channels: ORT's own per-tensor branch
+    scales = {init.name: onnx.numpy_helper.to_array(init) for init in onnx.load_from_string(our_bytes).graph.initializer}
+    plain = np.abs(onnx.numpy_helper.to_array(model.graph.initializer[0])).reshape(4, -1).max(axis=1) / np.float32(127)
+    assert (scales["w_scale"][[0, 2]] > 1.5 * plain[[0, 2]]).all()  # raised: the test reaches the adjustment
+    np.testing.assert_array_equal(scales["w_scale"][[1, 3]], plain[[1, 3]])
