@@ -485,14 +485,12 @@ def _measured_shifts(layer: _Layer, plan: _Means, float_weights: Mapping[str, on
     float_bias = (onnx.numpy_helper.to_array(float_weights[original.input[2]]).astype(np.float64).reshape(-1)
                   if has_bias else np.zeros(1))
     bias_shift = np.broadcast_to(_layer_bias(layer), (outputs,)) - np.broadcast_to(float_bias, (outputs,))
-    rounding = quantized - weights  # the same array for every feed: computed once
-    shifts = []
-    for means in per_feed_means:
-        channels = means.shape[0] // 2
-        x, error = (m.reshape(group, -1) for m in (means[:channels], means[channels:]))
-        products = np.einsum("goc,gc->go", quantized, error) + np.einsum("goc,gc->go", rounding, x)
-        shifts.append(plan.alpha * products.reshape(-1) + bias_shift)
-    return np.stack(shifts)
+    rounding = quantized - weights
+    means = np.stack(per_feed_means)  # (feeds, [x; e]): every feed's products in two matrix products
+    feeds, channels = means.shape[0], means.shape[1] // 2
+    x, error = (m.reshape(feeds, group, -1).transpose(1, 2, 0) for m in (means[:, :channels], means[:, channels:]))
+    products = quantized @ error + rounding @ x  # (group, outputs per group, feeds)
+    return plan.alpha * products.transpose(2, 0, 1).reshape(feeds, -1) + bias_shift
 
 
 def _channel_means(output: np.ndarray) -> np.ndarray:
