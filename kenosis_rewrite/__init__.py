@@ -14,6 +14,7 @@ from __future__ import annotations
 from kenosis_rewrite._io import save
 from kenosis_rewrite.errors import (
     AlreadyQuantizedError,
+    ControlFlowError,
     InvalidModelError,
     KenosisError,
     ModelTooLargeError,
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "save", "TARGETS", "FixPass", "FixReport", "FusionReport", "prepare", "PrepareFailedError", "quantize", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
-    "KenosisError", "AlreadyQuantizedError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
+    "KenosisError", "AlreadyQuantizedError", "ControlFlowError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
     "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
     "UnsupportedTargetError", "ZooError",
 ]

@@ -41,6 +41,10 @@ class AlreadyQuantizedError(KenosisError):
     """quantize()/prepare() take an FP32 model; this one is already quantized (QDQ, QOperator or dynamic)."""
 
 
+class ControlFlowError(KenosisError):
+    """quantize(): the model's layers are all inside If/Loop/Scan bodies, which quantize_static leaves float."""
+
+
 class QOperatorFormatError(KenosisError):
     """The model uses QOperator format (QLinearConv, ...) instead of QDQ; re-quantize with QuantFormat.QDQ."""
 

@@ -30,6 +30,7 @@ Every decision is in the returned :class:`FixReport`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -48,7 +49,7 @@ from kenosis_rewrite.calibration.shared_scales import SAME_SCALE_OPS, shared_con
 from kenosis_rewrite.calibration.ort_static import ranges_the_quantizer_sets
 from kenosis_rewrite.equalization import ChannelMaxima, equalize
 from kenosis_rewrite.weight_rounding import InputMoments, round_weights
-from kenosis_rewrite.errors import KenosisError, one_line, ModelTooLargeError
+from kenosis_rewrite.errors import ControlFlowError, KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
@@ -76,6 +77,44 @@ def quantize_static_options(target: str, per_channel: bool) -> dict:
         "per_channel": per_channel,
         "extra_options": {"ActivationSymmetric": symmetric, "WeightSymmetric": True},
     }
+
+
+# layers worth quantizing: what a model that quantize() leaves float entirely still computes
+_LAYER_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "RNN"})
+
+
+def _layers_in_bodies(graph: onnx.GraphProto, owner: str = "") -> tuple[collections.Counter, list[str]]:
+    """The layers (:data:`_LAYER_OPS`) inside the If/Loop/Scan bodies of ``graph``'s nodes, by op
+    type, and the control-flow nodes that hold them (outermost)."""
+    counts: collections.Counter = collections.Counter()
+    holders: list[str] = []
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
+                inner = collections.Counter(n.op_type for n in body.node if n.op_type in _LAYER_OPS)
+                nested, _ = _layers_in_bodies(body)
+                if inner or nested:
+                    counts += inner + nested
+                    holders.append(node.name or node.op_type)
+    return counts, list(dict.fromkeys(holders))
+
+
+def _check_control_flow(proto: onnx.ModelProto, report: FixReport) -> None:
+    """quantize_static quantizes the main graph only: refuse a model whose layers are all inside
+    If/Loop/Scan bodies (the result would be the FP32 model, reported as unchanged), and say which
+    layers stay float where only some are."""
+    inside, holders = _layers_in_bodies(proto.graph)
+    if not inside:
+        return
+    found = ", ".join(f"{count} {op_type}" for op_type, count in inside.most_common())
+    where = ", ".join(repr(name) for name in holders[:3]) + (" ..." if len(holders) > 3 else "")
+    if not any(node.op_type in _LAYER_OPS for node in proto.graph.node):
+        raise ControlFlowError(
+            f"quantize() has nothing to quantize outside control flow: the model's {found} are inside the bodies "
+            f"of {where}, and quantize_static quantizes only the main graph, so the result would be the FP32 model. "
+            "Export the network without control flow around it (one model per branch, its condition fixed, for "
+            "instance), then quantize that.")
+    report.note(f"quantize: {found} inside the bodies of {where} stay FP32 (quantize_static quantizes only the main graph)")
 
 
 def _self_calibrated(calibration) -> bool:
@@ -367,6 +406,7 @@ def quantize(
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
     proto = ir.serde.serialize_model(prepared)
+    _check_control_flow(proto, report)
     if equalization:
         proto, equalized = equalize(proto, feeds, report, observed=maxima)
         report.note(f"activation equalization: {equalized} tensors")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic
@@ -67,6 +68,47 @@ def test_quantize_and_prepare_refuse_a_quantized_model(form, tmp_path):
     kenosis_rewrite.quantize(float_model, calibration=feeds)  # the FP32 model it came from is accepted
 
 
+def _conv_in_if_branches(conv_outside: bool) -> onnx.ModelProto:
+    """y = If(flag, Conv(x) + 1, Conv(x) - 1), the Convs inside the branches; with ``conv_outside``,
+    x goes through a Conv of the main graph first."""
+    rng = np.random.default_rng(0)
+    weights = onnx.numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    inner = onnx.numpy_helper.from_array(rng.standard_normal((4, 4 if conv_outside else 3, 3, 3)).astype(np.float32), "wi")
+    one = onnx.numpy_helper.from_array(np.ones((1,), np.float32), "one")
+
+    def branch(op: str) -> onnx.GraphProto:
+        return onnx.helper.make_graph(
+            [onnx.helper.make_node("Conv", ["h", "wi"], [f"c_{op}"], pads=[1, 1, 1, 1]),
+             onnx.helper.make_node(op, [f"c_{op}", "one"], [f"y_{op}"])],
+            f"branch_{op}", [], [onnx.helper.make_tensor_value_info(f"y_{op}", onnx.TensorProto.FLOAT, [1, 4, 8, 8])])
+
+    nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["h"], pads=[1, 1, 1, 1]) if conv_outside
+             else onnx.helper.make_node("Identity", ["x"], ["h"]),
+             onnx.helper.make_node("If", ["flag"], ["y"], name="branches", then_branch=branch("Add"), else_branch=branch("Sub"))]
+    graph = onnx.helper.make_graph(
+        nodes, "conv_in_if",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8]),
+         onnx.helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, [])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+        [weights, inner, one])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_quantize_refuses_a_model_whose_layers_are_all_inside_control_flow():
+    """quantize_static quantizes the main graph only: a model whose Convs are all in If branches
+    (Silero VAD 6.2.3) came back as the FP32 model, reported as "no changes" and cosine 1.0."""
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.uniform(0, 1, (1, 3, 8, 8)).astype(np.float32), "flag": np.array(i % 2 == 0)} for i in range(4)]
+    with pytest.raises(kenosis_rewrite.ControlFlowError, match=r"2 Conv are inside the bodies of 'branches'.*Export"):
+        kenosis_rewrite.quantize(_conv_in_if_branches(conv_outside=False), calibration=feeds)
+    # a main-graph Conv is quantized; the report names the branch Convs left FP32
+    model, report = kenosis_rewrite.quantize(_conv_in_if_branches(conv_outside=True), calibration=feeds,
+                                             return_report=True)
+    assert any(node.op_type == "QuantizeLinear" for node in model.graph.node)
+    assert any("2 Conv inside the bodies of 'branches' stay FP32" in note for note in report.notes)
+    assert report.fidelity["quantized"]["cosine"] > 0.99
+
+
 def test_old_opset_is_refused():
     model = onnx.parser.parse_model("""
     <ir_version: 4, opset_import: ["" : 9]>
@@ -84,7 +126,7 @@ def test_invalid_graph_is_refused():
 
 
 def test_every_error_is_a_kenosis_error():
-    for name in ("NotAnOnnxModelError", "InvalidModelError", "AlreadyQuantizedError", "NoQDQError", "QOperatorFormatError",
+    for name in ("NotAnOnnxModelError", "InvalidModelError", "AlreadyQuantizedError", "ControlFlowError", "NoQDQError", "QOperatorFormatError",
                  "UnsupportedOpsetError", "ModelTooLargeError", "UnsupportedTargetError", "ZooError",
                  "RuntimeMeasurementError", "RewriteError"):
         assert issubclass(getattr(kenosis_rewrite, name), kenosis_rewrite.KenosisError)
