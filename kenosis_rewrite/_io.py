@@ -212,7 +212,25 @@ def _check_proto(proto: onnx.ModelProto) -> None:
     try:
         check_model(proto)
     except onnx.checker.ValidationError as error:
-        raise InvalidModelError(f"The input model fails the ONNX checker: {error}") from None
+        raise InvalidModelError(f"The input model fails the ONNX checker: {error}{_advice(proto, error)}") from None
+
+
+_PER_AXIS_OPSET = 13  # QuantizeLinear/DequantizeLinear's axis attribute
+
+
+def _advice(proto: onnx.ModelProto, error: onnx.checker.ValidationError) -> str:
+    """What to do about a checker failure we know the cause of; "" otherwise."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    message = str(error)
+    if (opset is not None and opset < _PER_AXIS_OPSET and "Unrecognized attribute: axis" in message
+            and ("QuantizeLinear" in message or "DequantizeLinear" in message)):
+        return (f". Per-channel QuantizeLinear/DequantizeLinear (their axis attribute) need opset {_PER_AXIS_OPSET}, and "
+                f"this model imports opset {opset}: onnxruntime's quantize_static(per_channel=True) writes that for an "
+                "FP32 model below opset 13, and onnxruntime cannot load the result either. Re-quantize with "
+                "per_channel=False, or convert the FP32 model to opset 13 first (onnx.version_converter."
+                "convert_version(model, 13)), or quantize it with kenosis_rewrite.quantize(), which converts it where "
+                "per-channel weights pay and keeps them per-tensor where they do not")
+    return ""
 
 
 FUSED_WEIGHT_ONLY_OPS = frozenset({"MatMulNBits", "GatherBlockQuantized", "MatMulBnb4"})

@@ -117,6 +117,19 @@ def test_old_opset_is_refused():
         kenosis_rewrite.fix(model)
 
 
+def test_per_channel_qdq_below_opset_13_is_refused_with_what_to_do():
+    """quantize_static(per_channel=True) on an opset-12 model writes DequantizeLinear(axis=...), which
+    opset 12 does not have (ddddocr 1.6.1 common.onnx): the checker's refusal alone said nothing of why."""
+    float_model = toy_models.build("conv_relu")
+    qdq = ort_quantize.quantize_with_ort(float_model, toy_models.random_feeds(float_model, 2), "u8s8", per_channel=True)
+    assert any(a.name == "axis" for n in qdq.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute)
+    for opset in qdq.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = 12
+    with pytest.raises(kenosis_rewrite.InvalidModelError, match=r"need opset 13.*imports opset 12.*per_channel=False"):
+        kenosis_rewrite.fix(qdq)
+
+
 def test_invalid_graph_is_refused():
     model = onnx.parser.parse_model("""
     <ir_version: 8, opset_import: ["" : 17]>
