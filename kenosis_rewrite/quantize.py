@@ -83,7 +83,7 @@ def quantize_static_options(target: str, per_channel: bool) -> dict:
 _LAYER_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "LSTM", "GRU", "RNN"})
 
 
-def _layers_in_bodies(graph: onnx.GraphProto, owner: str = "") -> tuple[collections.Counter, list[str]]:
+def _layers_in_bodies(graph: onnx.GraphProto) -> tuple[collections.Counter, list[str]]:
     """The layers (:data:`_LAYER_OPS`) inside the If/Loop/Scan bodies of ``graph``'s nodes, by op
     type, and the control-flow nodes that hold them (outermost)."""
     counts: collections.Counter = collections.Counter()
