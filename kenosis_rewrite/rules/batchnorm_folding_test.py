@@ -71,3 +71,37 @@ def test_non_constant_batchnorm_is_refused_with_reason():
     _, report, count = _apply(proto)
     assert count == 0
     assert [r.reason for r in report.refusals] == ["BatchNormalization parameters are not constants"]
+
+
+def _opset12_conv_q_bn(gamma: list[float]) -> onnx.ModelProto:
+    """``DQ(w) -> Conv -> Q -> DQ -> BatchNormalization -> Q -> DQ`` at opset 12 (no per-axis DQ),
+    per-tensor int8 weights, BN scales ``gamma`` (unit variance, zero mean)."""
+    g = ", ".join(f"{v:g}" for v in gamma)
+    return onnx.parser.parse_model(f"""
+    <ir_version: 7, opset_import: ["" : 12]>
+    g (float[1,2,4,4] x) => (float[1,3,4,4] y)
+    <int8[3,2,1,1] w = {{60, -128, 20, 90, -45, 127}}, float sw = {{0.01}}, int8 zw = {{0}},
+     float sm = {{0.02}}, uint8 zm = {{128}}, float so = {{0.05}}, uint8 zo = {{128}},
+     float[3] gamma = {{{g}}}, float[3] beta = {{0.1, -0.2, 0.3}}, float[3] mean = {{0.0, 0.0, 0.0}},
+     float[3] var = {{1.0, 1.0, 1.0}}>
+    {{ dw = DequantizeLinear(w, sw, zw)  c = Conv(x, dw)  qc = QuantizeLinear(c, sm, zm)  dc = DequantizeLinear(qc, sm, zm)
+       b = BatchNormalization(dc, gamma, beta, mean, var)  qb = QuantizeLinear(b, so, zo)  y = DequantizeLinear(qb, so, zo) }}""")
+
+
+def test_before_opset_13_a_fold_onto_a_coarser_one_scale_grid_is_refused():
+    """Opset 12 has no per-axis DequantizeLinear: the folded weights share one scale, set by the
+    channel of largest |a| * max|w|. Where another channel's step on it would be coarser than its
+    own step through the BN, the fold is refused (PP-OCRv3's recognizer lost 0.26 cosine to it)."""
+    varied, report, count = _apply(_opset12_conv_q_bn([0.05, 1.0, 3.0]))
+    assert count == 0 and "BatchNormalization" in _testing.op_types(varied)
+    assert [r.reason.split(" would ")[0] for r in report.refusals] == [
+        "opset 12 has no per-channel DequantizeLinear, and one weight scale for the folded channels (|a| from 0.05 to 3)"]
+    # equal |a| (signs may differ): one scale is each channel's own step times |a|, so it folds
+    equal = _opset12_conv_q_bn([-1.5, 1.5, 1.5])
+    fixed, report, count = _apply(equal)
+    assert count == 1 and "BatchNormalization" not in _testing.op_types(fixed)
+    feed = {"x": np.random.default_rng(0).uniform(-1, 1, (1, 2, 4, 4)).astype(np.float32)}
+    reference = _testing.outputs(equal, feed)[0]
+    # the Q/DQ before the BN is gone and the weights are on the same grid: at most an output step apart
+    # (its removed rounding, 1.5 * 0.02 / 2, and the output's own step, 0.05)
+    assert np.abs(_testing.outputs(fixed, feed)[0] - reference).max() <= 0.05 + 1.5 * 0.01 + 1e-6
