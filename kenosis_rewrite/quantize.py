@@ -117,6 +117,23 @@ def _check_control_flow(proto: onnx.ModelProto, report: FixReport) -> None:
     report.note(f"quantize: {found} inside the bodies of {where} stay FP32 (quantize_static quantizes only the main graph)")
 
 
+def _gemm_row_biases_as_vectors(model: ir.Model, report: FixReport) -> None:
+    """A Gemm's constant ``C`` of shape ``[1, N]`` as ``[N]`` (the same broadcast onto ``(M, N)``):
+    quantize_static's per-channel int32-bias check indexes ``C`` channel by channel and fails on a
+    row (``ValueError: The truth value of an array ...``; ONNX Runtime's basic optimizer writes such
+    a ``C`` when it fuses MatMul + Add of a ``[1, N]`` bias, as on magika 1.0.3's model)."""
+    names = _qdq.NameAllocator(model.graph)
+    for node in model.graph:
+        if node.op_type != "Gemm" or node.domain not in _qdq.DEFAULT_DOMAINS or len(node.inputs) < 3:
+            continue
+        bias = node.inputs[2]
+        if bias is None or bias.const_value is None or len(bias.const_value.shape) != 2 or bias.const_value.shape[0] != 1:
+            continue
+        vector = bias.const_value.numpy().reshape(-1)
+        node.replace_input_with(2, _qdq.add_initializer(model.graph, ir.tensor(vector), names.fresh(f"{bias.name}_vector")))
+        report.note(f"quantize: Gemm {node.name!r} bias {list(bias.const_value.shape)} read as [{vector.size}] for quantize_static")
+
+
 def _self_calibrated(calibration) -> bool:
     return calibration is None or (isinstance(calibration, str) and calibration == "synthetic")
 
@@ -404,6 +421,8 @@ def quantize(
     # Constant nodes become initializers: quantize_static then treats them as weights (int8,
     # per-channel, quantized once), not as activations re-quantized at every run.
     common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
+    _gemm_row_biases_as_vectors(prepared, report)
+    common_passes.RemoveUnusedNodesPass()(prepared)  # the rows no Gemm reads any more
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name
     proto = ir.serde.serialize_model(prepared)
     _check_control_flow(proto, report)

@@ -368,3 +368,27 @@ def test_self_calibration_at_sizes_the_model_cannot_run_says_what_to_pass():
     feeds = [{"x": np.random.default_rng(i).normal(size=(1, 3, 32, 32)).astype(np.float32)} for i in range(4)]
     quantized = quantize(model, feeds)
     assert _testing.outputs(quantized, feeds[0])[0].shape == (1, 4, 32 * 32)
+
+
+def test_gemm_with_a_row_bias_is_quantized():
+    """A Gemm whose C is [1, N] (ONNX Runtime's MatMul + Add fusion writes one from a [1, N] Add, as
+    on magika 1.0.3's model): quantize_static's per-channel int32-bias check failed on it
+    (ValueError: truth value of an array); quantize() reads C as [N], the same broadcast."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["h"]),
+         helper.make_node("Relu", ["h"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["y"])],
+        "row_bias", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((1, 8)).astype(np.float32), "b"),
+         numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(8)]
+    quantized, report = quantize(model, calibration=feeds, plan="full", return_report=True)
+    onnx.checker.check_model(quantized, full_check=True)
+    gemm = next(node for node in quantized.graph.node if node.op_type == "Gemm")
+    bias = _testing.producer_of(quantized, gemm.input[2])
+    assert bias.op_type == "DequantizeLinear" and _testing.initializer(quantized, bias.input[0]).shape == (8,)
+    assert any("bias [1, 8] read as [8]" in note for note in report.notes)
+    assert report.fidelity["quantized"]["cosine"] > 0.999
