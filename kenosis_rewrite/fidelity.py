@@ -28,17 +28,31 @@ _NUMPY_OF_ONNX = {
 }
 
 
-def concrete_shape(value: onnx.ValueInfoProto) -> list[int]:
-    """Static dims kept; a dynamic batch (first) dim -> 1; other dynamic dims -> 224 (images) or 128."""
+# sizes to try, in order, for a dynamic dim other than the batch when the default does not run
+# (PP-OCRv3's recognizer, [?, 3, 48, ?], runs at width 320, not 224)
+OTHER_DYNAMIC_SIZES = (320, 256, 640, 160, 96, 64, 32)
+
+
+def concrete_shape(value: onnx.ValueInfoProto, size: int | None = None) -> list[int]:
+    """Static dims kept; a dynamic batch (first) dim -> 1; other dynamic dims -> ``size``, by
+    default 224 (images) or 128."""
     dims = value.type.tensor_type.shape.dim
-    return [
-        d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (1 if i == 0 else (224 if len(dims) == 4 else 128))
-        for i, d in enumerate(dims)
-    ]
+    other = size if size is not None else (224 if len(dims) == 4 else 128)
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (1 if i == 0 else other)
+            for i, d in enumerate(dims)]
 
 
-def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """``n`` random feeds for the graph inputs: floats N(0,1), integers 0, booleans False.
+def has_dynamic_dims(model: onnx.ModelProto) -> bool:
+    """Whether a graph input has a dynamic dim other than the batch (first) one."""
+    initializers = {init.name for init in model.graph.initializer}
+    return any(not (d.HasField("dim_value") and d.dim_value > 0)
+               for value in model.graph.input if value.name not in initializers
+               for d in list(value.type.tensor_type.shape.dim)[1:])
+
+
+def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0, size: int | None = None) -> list[dict[str, np.ndarray]]:
+    """``n`` random feeds for the graph inputs: floats N(0,1), integers 0, booleans False; dynamic
+    dims as :func:`concrete_shape` sets them (``size``).
 
     For measuring, not calibrating (see :func:`kenosis_rewrite.calibration.synthetic_feeds`).
     """
@@ -52,7 +66,7 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict
             dtype = _NUMPY_OF_ONNX.get(value.type.tensor_type.elem_type)
             if dtype is None:
                 raise KenosisError(f"cannot make random data for input {value.name!r} of this type")
-            shape = concrete_shape(value)
+            shape = concrete_shape(value, size)
             floating = np.issubdtype(dtype, np.floating)
             feed[value.name] = rng.standard_normal(shape).astype(dtype) if floating else np.zeros(shape, dtype)
         feeds.append(feed)
@@ -89,7 +103,9 @@ def session(model: onnx.ModelProto | bytes, optimized: bool = True, at_once: int
     ORT's own exception propagates: callers decide whether a refusal is an error or a finding.
     """
     threads = 1 if one_core else None if at_once <= 1 else max(1, cores() // at_once)
-    return _ort.session(model, _ort.options(threads, level="all" if optimized else "none", spinning=False))
+    # log level fatal: a run that fails raises its error, which callers report or act on; ORT's own
+    # copy on stderr only alarms (the guard tries feeds of several sizes on a model with dynamic dims)
+    return _ort.session(model, _ort.options(threads, level="all" if optimized else "none", spinning=False, log_severity=4))
 
 
 def each_run(session: ort.InferenceSession, feeds: Sequence[Mapping[str, np.ndarray]], at_once: int = 1,

@@ -100,17 +100,24 @@ class Guard:
     tolerance: float = DEFAULT_TOLERANCE
 
     def __post_init__(self) -> None:
-        self.feeds = [dict(feed) for feed in self.feeds][:_FEEDS] or fidelity.random_feeds(self.model, _FEEDS)
+        given = [dict(feed) for feed in self.feeds][:_FEEDS]
+        # made-up feeds: the dynamic dims at another size where the default size does not run
+        sizes = [None] if given or not fidelity.has_dynamic_dims(self.model) else [None, *fidelity.OTHER_DYNAMIC_SIZES]
         self.unavailable = ""
-        try:
-            self.input_optimized = _outputs(self.model, self.feeds, optimized=True)
-            self.input_plain = _outputs(self.model, self.feeds, optimized=False)
-            reference_model = self.float_model if self.float_model is not None else _unrounded_reference(self.model)
-            self.reference = _outputs(reference_model, self.feeds, optimized=True)
-        except Exception as error:  # noqa: BLE001 - the input itself does not run: nothing to hold to
-            self.unavailable = f"the run-time guard could not run the input model ({str(error).splitlines()[0][:200]})"
+        for size in sizes:
+            self.feeds = given or fidelity.random_feeds(self.model, _FEEDS, size=size)
+            try:
+                self.input_optimized = _outputs(self.model, self.feeds, optimized=True)
+                self.input_plain = _outputs(self.model, self.feeds, optimized=False)
+                reference_model = self.float_model if self.float_model is not None else _unrounded_reference(self.model)
+                self.reference = _outputs(reference_model, self.feeds, optimized=True)
+            except Exception as error:  # noqa: BLE001 - the input itself does not run: nothing to hold to
+                if not self.unavailable:  # the first failure says most (the default sizes)
+                    self.unavailable = f"the run-time guard could not run the input model ({str(error).splitlines()[0][:200]})"
+                continue
+            self.unavailable = ""
+            self.input_cosines = _per_output_cosines(self.reference, self.input_optimized)
             return
-        self.input_cosines = _per_output_cosines(self.reference, self.input_optimized)
 
     def violation(self, model: onnx.ModelProto, report: FixReport) -> str | None:
         """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None."""

@@ -424,3 +424,23 @@ def test_a_graph_out_of_topological_order_is_sorted_not_refused():
     assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
     np.testing.assert_array_equal(_testing.outputs(fixed, feeds[0], optimized=False)[0],
                                   _testing.outputs(qdq, feeds[0], optimized=False)[0])
+
+
+def test_the_guard_tries_other_sizes_for_dynamic_dims_its_default_does_not_run():
+    """fix() without feeds holds rewrites to the input's behaviour on made-up feeds; a dynamic dim
+    made 128 (or 224) wide where the model runs only at 320 (PP-OCRv3's recognizer, [?, 3, 48, ?])
+    left the guard unable to run the input, and fix() unguarded."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])], "width_320",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "width"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
+        [numpy_helper.from_array(rng.standard_normal((320, 16)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    qdq = _quantize_static(model, [{"x": rng.standard_normal((1, 320)).astype(np.float32)} for _ in range(4)])
+    check = guard.Guard(qdq, [])
+    assert check.unavailable == "" and check.feeds[0]["x"].shape == (1, 320)
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+    assert not any("guard could not run" in note for note in report.notes)
+    # a model that runs at no size tried says so, with the first (default-size) failure
+    assert "could not run the input model" in guard.Guard(qdq, [{"x": np.zeros((1, 7), np.float32)}]).unavailable
