@@ -59,6 +59,7 @@ from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.plan import WEIGHTED_OPS, WEIGHTED_PLANS, choose_plan, plan_options
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
+from kenosis_rewrite.passes.output_quantizers import RULE_NAME as OUTPUT_QUANTIZERS
 from kenosis_rewrite.targets import get_target
 
 FIDELITY_FEEDS = 8  # the calibration feeds the report's fidelity compares on
@@ -497,7 +498,10 @@ def quantize(
     _mark_deleted_activations(proto, model, quantized_nodes)
     # the integer MatMuls keep their QDQ form until bias correction and the FP32 fallbacks have read it
     deferred = (INTEGER_MATMUL_BIAS,)
-    FixPass(target, report, disabled=deferred)(model)
+    # the weighted plan leaves its layers' outputs float by design: no output quantizers to add (its
+    # refusals read "no range measured ... pass calibration= feeds" beside the feeds the user passed)
+    planned_float = (OUTPUT_QUANTIZERS,) if chosen_plan in WEIGHTED_PLANS else ()
+    FixPass(target, report, disabled=deferred + planned_float)(model)
     if chosen_plan in WEIGHTED_PLANS:
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
