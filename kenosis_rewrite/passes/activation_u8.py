@@ -18,8 +18,10 @@ ort-cpu-facts.md §2). Weights (input 1 of Conv/ConvTranspose/MatMul/Gemm) stay 
 activations with s8 weights is the combination ORT's integer kernels are fastest at.
 
 Refused (and reported): a Q whose output is a graph output (its type is part of the interface),
-a Q that feeds anything but DequantizeLinear, DQs whose parameters disagree with their Q, and
-int8 graph inputs.
+a Q that feeds anything but DequantizeLinear, DQs whose parameters disagree with their Q, int8
+graph inputs, and per-axis activations next to an AveragePool (NNCF places such Qs; in uint8
+ONNX Runtime fuses ``DQ -> AveragePool -> Q`` into QLinearAveragePool, which refuses per-axis
+parameters: the model would not load, measured on an NNCF fingerprint net, afis 1.2.7).
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ class ActivationInt8ToUint8Pass(ReportingPass):
                 self.refused(where, f"DequantizeLinear {consumer.name!r} disagrees with its QuantizeLinear's parameters")
                 return 0
             dequantizers.append(consumer)
+        if not params.is_per_tensor and _pools_around(node, dequantizers):
+            self.refused(where, f"per-axis int8 tensor {output.name!r} next to an AveragePool: ONNX Runtime fuses "
+                                "uint8 DQ -> AveragePool -> Q into QLinearAveragePool, which refuses per-axis parameters")
+            return 0
         zero_point = node.inputs[2] if len(node.inputs) > 2 else None
         new_zero_point = self._shifted_constant(graph, zero_point, params.scale.shape, names, shifted)
         _set_input(node, 2, new_zero_point)
@@ -146,6 +152,17 @@ class ActivationInt8ToUint8Pass(ReportingPass):
         _set_input(node, 2, new_zero_point)
         self.changed(where, f"constant {data_value.name}: int8 -> uint8 (+128)", exact=True)
         return 1
+
+
+_POOLS = ("AveragePool", "GlobalAveragePool")
+
+
+def _pools_around(quantize: ir.Node, dequantizers: list[ir.Node]) -> bool:
+    """Whether the Q reads an average pool's output or one of its DQs feeds an average pool."""
+    producer = quantize.inputs[0].producer() if quantize.inputs[0] is not None else None
+    if producer is not None and producer.op_type in _POOLS:
+        return True
+    return any(user.op_type in _POOLS for dq in dequantizers for user, _ in dq.outputs[0].uses())
 
 
 def _remove_unused_initializers(graph: ir.Graph, shifted: dict[object, tuple]) -> None:

@@ -110,3 +110,32 @@ def test_weights_shared_with_activation_uses_stay_int8():
     gemm = next(n for n in fixed.graph.node if n.op_type == "Gemm")
     weight_dq = _testing.producer_of(fixed, gemm.input[1])
     assert _testing.initializer(fixed, weight_dq.input[0]).dtype == np.int8
+
+
+PER_AXIS_AFTER_AVERAGE_POOL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,2,4,4] x) => (float[1,2,2,2] y)
+<float s = {0.05}, int8 z = {0}, float[2] sc = {0.02, 0.04}, int8[2] zc = {-3, 5}>
+{
+  qx = QuantizeLinear(x, s, z)
+  dx = DequantizeLinear(qx, s, z)
+  p = AveragePool <kernel_shape = [2, 2], strides = [2, 2]> (dx)
+  qp = QuantizeLinear <axis = 1> (p, sc, zc)
+  dp = DequantizeLinear <axis = 1> (qp, sc, zc)
+  y = Relu(dp)
+}
+"""
+
+
+def test_per_axis_activation_next_to_an_average_pool_stays_int8():
+    """NNCF puts per-channel Qs after AveragePool (afis 1.2.7's fingerprint net); in uint8 ONNX
+    Runtime fuses DQ -> AveragePool -> Q into QLinearAveragePool, which refuses per-axis
+    parameters, so the whole model failed to load. The per-tensor input Q still becomes uint8."""
+    proto = onnx.parser.parse_model(PER_AXIS_AFTER_AVERAGE_POOL)
+    fixed, report = _apply(proto)
+    assert [r.reason.split(":")[0] for r in report.refusals if r.rule == RULE_NAME] == [
+        "per-axis int8 tensor 'qp' next to an AveragePool"]
+    assert len([c for c in report.changes if c.rule == RULE_NAME]) == 1  # qx, per-tensor
+    _testing.ort_optimized_op_types(fixed)  # loads with every optimization on
+    feed = {"x": np.random.default_rng(0).uniform(-2, 2, (1, 2, 4, 4)).astype(np.float32)}
+    np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(proto, feed)[0])
