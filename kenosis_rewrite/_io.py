@@ -215,16 +215,13 @@ def _check_proto(proto: onnx.ModelProto) -> None:
         raise InvalidModelError(f"The input model fails the ONNX checker: {error}{_advice(proto, error)}") from None
 
 
-_PER_AXIS_OPSET = 13  # QuantizeLinear/DequantizeLinear's axis attribute
-
-
 def _advice(proto: onnx.ModelProto, error: onnx.checker.ValidationError) -> str:
     """What to do about a checker failure we know the cause of; "" otherwise."""
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     message = str(error)
-    if (opset is not None and opset < _PER_AXIS_OPSET and "Unrecognized attribute: axis" in message
+    if (opset is not None and opset < _qdq.PER_AXIS_OPSET and "Unrecognized attribute: axis" in message
             and ("QuantizeLinear" in message or "DequantizeLinear" in message)):
-        return (f". Per-channel QuantizeLinear/DequantizeLinear (their axis attribute) need opset {_PER_AXIS_OPSET}, and "
+        return (f". Per-channel QuantizeLinear/DequantizeLinear (their axis attribute) need opset {_qdq.PER_AXIS_OPSET}, and "
                 f"this model imports opset {opset}: onnxruntime's quantize_static(per_channel=True) writes that for an "
                 "FP32 model below opset 13, and onnxruntime cannot load the result either. Re-quantize with "
                 "per_channel=False, or convert the FP32 model to opset 13 first (onnx.version_converter."

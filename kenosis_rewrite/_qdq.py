@@ -11,6 +11,7 @@ import onnx_ir as ir
 QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
 DEFAULT_DOMAINS = ("", "ai.onnx")
+PER_AXIS_OPSET = 13  # QuantizeLinear/DequantizeLinear's axis attribute (per-axis parameters)
 
 # Integer ranges of the quantized types the rules understand. Other types (float8, ...) are
 # left untouched by every rule, which then refuses with a reason.

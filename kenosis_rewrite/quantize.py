@@ -161,7 +161,6 @@ def _image_paths(folder) -> list[str]:
     return [os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(suffixes)]
 
 
-PER_CHANNEL_OPSET = 13  # DequantizeLinear's axis attribute
 SHARED_RANGE_RULE = "share-concat-ranges"
 
 
@@ -185,7 +184,7 @@ def _opset_for_per_channel(model: onnx.ModelProto, per_channel, report: FixRepor
     buys a median of >= 6 dB weight SNR; otherwise the weights stay per-tensor, and the report says so.
     """
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if not per_channel or opset >= PER_CHANNEL_OPSET:
+    if not per_channel or opset >= _qdq.PER_AXIS_OPSET:
         return model, per_channel
     gain = _median_per_channel_gain_db(model)
     if gain < AUTO_PER_CHANNEL_GAIN_DB:
@@ -193,12 +192,12 @@ def _opset_for_per_channel(model: onnx.ModelProto, per_channel, report: FixRepor
                     f"kept opset {opset} and per-tensor weights")
         return model, False
     try:
-        converted = onnx.version_converter.convert_version(model, PER_CHANNEL_OPSET)
+        converted = onnx.version_converter.convert_version(model, _qdq.PER_AXIS_OPSET)
         onnx.checker.check_model(converted)
     except Exception as error:  # noqa: BLE001 - the converter raises many types
-        report.note(f"opset {opset} could not be converted to {PER_CHANNEL_OPSET} ({error}); weights per-tensor")
+        report.note(f"opset {opset} could not be converted to {_qdq.PER_AXIS_OPSET} ({error}); weights per-tensor")
         return model, False
-    report.note(f"float model converted from opset {opset} to {PER_CHANNEL_OPSET} for per-channel weights "
+    report.note(f"float model converted from opset {opset} to {_qdq.PER_AXIS_OPSET} for per-channel weights "
                 f"({gain:.1f} dB median weight SNR gain)")
     return converted, per_channel
 

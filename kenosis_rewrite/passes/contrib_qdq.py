@@ -25,7 +25,6 @@ from kenosis_rewrite.passes._base import ReportingPass
 RULE_NAME = "contrib-qdq-to-standard"
 _CONTRIB = "com.microsoft"
 _WIDE_TYPES_OPSET = 21  # int16/uint16/int4/uint4 in QuantizeLinear/DequantizeLinear
-_PER_AXIS_OPSET = 13
 
 
 def _standard_opset_needed(node: ir.Node) -> int | str:
@@ -34,11 +33,11 @@ def _standard_opset_needed(node: ir.Node) -> int | str:
     if params is None:
         return "non-constant scale or zero point"
     if params.dtype in _qdq.EIGHT_BIT:
-        needed = 10 if params.is_per_tensor else _PER_AXIS_OPSET
+        needed = 10 if params.is_per_tensor else _qdq.PER_AXIS_OPSET
     elif params.dtype in _qdq.INTEGER_RANGES:
         needed = _WIDE_TYPES_OPSET
     elif params.dtype == ir.DataType.INT32 and node.op_type == _qdq.DEQUANTIZE:
-        needed = 10 if params.is_per_tensor else _PER_AXIS_OPSET
+        needed = 10 if params.is_per_tensor else _qdq.PER_AXIS_OPSET
     else:
         return f"{params.dtype.name} has no standard QuantizeLinear/DequantizeLinear"
     return needed

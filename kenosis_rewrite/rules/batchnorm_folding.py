@@ -61,7 +61,6 @@ __all__ = ["FoldBatchNormIntoConv", "FoldBatchNormIntoConvThroughQDQ", "batchnor
 
 RULE_NAME = "fold-batchnorm-into-conv"
 _INT32 = np.iinfo(np.int32)
-_PER_AXIS_OPSET = 13  # DequantizeLinear's axis attribute
 # before opset 13: a channel's step on the folded one-scale grid may be at most this many times its
 # step in the input (its weight step times |a|). Above 1 only by what re-rounding onto symmetric
 # int8 costs at equal |a|: a -128 or a uint8 weight whose zero point is off centre (144: 144/127)
@@ -167,7 +166,7 @@ class _FoldBatchNorm(ReportingRule):
         if len(conv.inputs) > 2 and conv.inputs[2] is not None:
             if _qdq.constant_or_dequantized(conv.inputs[2]) is None:
                 return self.refuse(where, "the Conv bias is not a constant")
-        if self._opset < _PER_AXIS_OPSET:
+        if self._opset < _qdq.PER_AXIS_OPSET:
             a = np.broadcast_to(affine[0], (channels,))
             growth, channel = _one_scale_growth(_qdq.const_array(weight_dq.inputs[0]), params, a)
             if growth > MAX_STEP_GROWTH:
@@ -184,7 +183,7 @@ class _FoldBatchNorm(ReportingRule):
         weights = _qdq.const_array(weight_dq.inputs[0])
         channels = weights.shape[0]
         a, c = np.broadcast_to(a, (channels,)), np.broadcast_to(c, (channels,))
-        per_tensor = getattr(self, "_opset", _PER_AXIS_OPSET) < _PER_AXIS_OPSET
+        per_tensor = getattr(self, "_opset", _qdq.PER_AXIS_OPSET) < _qdq.PER_AXIS_OPSET
         symmetric_int8 = params.dtype == ir.DataType.INT8 and not np.any(params.zero_point)
         if symmetric_int8 and not per_tensor:
             new_weights, new_scale, saturated = _fold_into_scales(weights, params, a)
