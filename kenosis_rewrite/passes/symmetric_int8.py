@@ -18,6 +18,13 @@ doubles. This is the price of the target's symmetric-only integer kernels (Tenso
 quantization accepts zero point 0 only). Per-axis or blocked activations, non-8-bit types, Q
 outputs that are graph outputs and Qs read by anything but DequantizeLinear are left alone and
 reported.
+
+A pair whose dequantized value only leaves the model (a graph output nothing else reads) and whose
+step would grow ``OUTPUT_STEP_GROWTH`` times or more (a one-sided tensor: Softmax, Sigmoid, Relu)
+is removed instead: no op reads it as int8, so the coarser grid would only add error, and on values
+below the new step (a Softmax over many classes) it rounds them all to 0. The output then carries
+its float value (closer to the float model than the input's), with the clamp the Q stood for put
+back where the graph proves one (:func:`~kenosis_rewrite.passes.dequantize.remove_qdq_pair`).
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ import onnx_ir as ir
 
 from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.passes._base import ReportingPass
-from kenosis_rewrite.passes.dequantize import insert_clamp
+from kenosis_rewrite.passes.dequantize import insert_clamp, remove_qdq_pair
 
 RULE_NAME = "symmetric-int8-activations"
 _QMAX = 127
+# a one-sided tensor's step grows 255/127 = 2.0x; a two-sided one's at most 1.5x up to zero point
+# 64 (or 191) of uint8
+OUTPUT_STEP_GROWTH = 1.5
 
 
 def _symmetric_scale(params: _qdq.QuantParams) -> np.ndarray:
@@ -39,6 +49,11 @@ def _symmetric_scale(params: _qdq.QuantParams) -> np.ndarray:
     reach = np.maximum(scale * (zero_point - params.qmin), scale * (params.qmax - zero_point))
     reach = np.where(reach > 0, reach, scale)
     return (reach / _QMAX).astype(params.scale.dtype)
+
+
+def _only_leaves_model(dequantizers: list[ir.Node]) -> bool:
+    """Whether the dequantized values are graph outputs that no node reads."""
+    return all(dq.outputs[0].is_graph_output() and not dq.outputs[0].uses() for dq in dequantizers)
 
 
 def _is_weight_use(node: ir.Node, index: int) -> bool:
@@ -88,6 +103,12 @@ class SymmetricActivationsPass(ReportingPass):
             self.refused(where, consumers)
             return False
         scale = _symmetric_scale(params)
+        growth = float(scale.reshape(-1)[0]) / float(params.scale.reshape(-1)[0])
+        if growth >= OUTPUT_STEP_GROWTH and _only_leaves_model(consumers) and remove_qdq_pair(node, names=names):
+            graph.remove([*consumers, node], safe=True)  # nothing reads them now
+            self.changed(where, f"{params.describe()}: left float, a graph output no op reads as int8 (the symmetric "
+                                f"step would be {growth:.2f}x coarser)", exact=False)
+            return True
         scale_value, zp_value = self._params(graph, names, output.name or "activation", scale, params.scale.shape)
         restored = self._restore_clamp(graph, names, node, params, float(scale.reshape(-1)[0]), consumers)
         for user in (node, *consumers):

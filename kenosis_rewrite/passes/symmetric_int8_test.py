@@ -54,3 +54,35 @@ def test_uint8_weights_become_symmetric_int8_per_channel():
     assert weights.dtype == np.int8 and not _testing.initializer(out, dq.input[2]).any()
     feed = {"x": np.random.default_rng(0).standard_normal((1, 2, 2, 2)).astype(np.float32)}
     np.testing.assert_allclose(_testing.outputs(out, feed)[0], _testing.outputs(proto, feed)[0], atol=0.02)
+
+
+_SOFTMAX_HEAD = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,400] x) => (float[1,400] y{extra_output})
+<float s = {{0.00392157}}, uint8 z = {{0}}>
+{{ p = Softmax(x)  q = QuantizeLinear(p, s, z)  y = DequantizeLinear(q, s, z) {extra_node} }}"""
+
+
+def test_one_sided_graph_output_is_left_float_not_rounded_to_zero():
+    # a Softmax over 400 classes: values near 1/400, below the symmetric step 1/127
+    proto = onnx.parser.parse_model(_SOFTMAX_HEAD.format(extra_output="", extra_node=""))
+    out, report = _apply(proto)
+    assert "QuantizeLinear" not in _testing.op_types(out) and "DequantizeLinear" not in _testing.op_types(out)
+    assert [o.name for o in out.graph.output] == ["y"]
+    assert [c.rule for c in report.changes] == [RULE_NAME] and "left float" in report.changes[0].detail
+    onnx.checker.check_model(out, full_check=True)
+    x = np.random.default_rng(0).standard_normal((1, 400)).astype(np.float32)
+    probabilities = np.exp(x) / np.exp(x).sum()
+    got, given = _testing.outputs(out, {"x": x})[0], _testing.outputs(proto, {"x": x})[0]
+    np.testing.assert_allclose(got, probabilities, rtol=1e-5)
+    # closer to the float model than the input model
+    assert np.abs(got - probabilities).max() < np.abs(given - probabilities).max()
+
+
+def test_one_sided_tensor_an_op_reads_still_becomes_symmetric():
+    proto = onnx.parser.parse_model(_SOFTMAX_HEAD.format(extra_output=", float[1,400] n", extra_node="n = Neg(y)"))
+    out, report = _apply(proto)
+    q = _testing.producer_of(out, "q")
+    assert q.op_type == "QuantizeLinear" and _testing.initializer(out, q.input[2]).dtype == np.int8
+    assert float(_testing.initializer(out, q.input[1])) == pytest.approx(0.00392157 * 255 / 127)
+    assert all("left float" not in c.detail for c in report.changes)
