@@ -23,8 +23,9 @@ A pair whose dequantized value only leaves the model (a graph output nothing els
 step would grow ``OUTPUT_STEP_GROWTH`` times or more (a one-sided tensor: Softmax, Sigmoid, Relu)
 is removed instead: no op reads it as int8, so the coarser grid would only add error, and on values
 below the new step (a Softmax over many classes) it rounds them all to 0. The output then carries
-its float value (closer to the float model than the input's), with the clamp the Q stood for put
-back where the graph proves one (:func:`~kenosis_rewrite.passes.dequantize.remove_qdq_pair`).
+its value unrounded, clamped where the Q clamped values its input can reach (a Relu or Clip that
+quantize_static deleted, or a calibrated bound): the input model's function without its last
+rounding.
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ class SymmetricActivationsPass(ReportingPass):
             return False
         scale = _symmetric_scale(params)
         growth = float(scale.reshape(-1)[0]) / float(params.scale.reshape(-1)[0])
-        if growth >= OUTPUT_STEP_GROWTH and _only_leaves_model(consumers) and remove_qdq_pair(node, names=names):
+        # the clamps the Q applied stay (a Relu/Clip quantize_static deleted, or a calibrated bound): only
+        # the rounding goes
+        if growth >= OUTPUT_STEP_GROWTH and _only_leaves_model(consumers) \
+                and remove_qdq_pair(node, value_range.quantizer_clamp(node), names=names):
             graph.remove([*consumers, node], safe=True)  # nothing reads them now
             self.changed(where, f"{params.describe()}: left float, a graph output no op reads as int8 (the symmetric "
                                 f"step would be {growth:.2f}x coarser)", exact=False)

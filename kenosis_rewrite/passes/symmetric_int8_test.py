@@ -86,3 +86,17 @@ def test_one_sided_tensor_an_op_reads_still_becomes_symmetric():
     assert q.op_type == "QuantizeLinear" and _testing.initializer(out, q.input[2]).dtype == np.int8
     assert float(_testing.initializer(out, q.input[1])) == pytest.approx(0.00392157 * 255 / 127)
     assert all("left float" not in c.detail for c in report.changes)
+
+
+def test_a_graph_output_left_float_keeps_the_clamps_its_quantizer_applied():
+    # the Q over [0, 2.55] clamps 3 * x (x in [-1, 1]) on both sides: a deleted Relu/Clip or a
+    # calibrated bound, the graph cannot tell; the float output keeps both
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[64] x) => (float[64] y)
+    <float three = {3.0}, float s = {0.01}, uint8 z = {0}>
+    { a = Mul(x, three)  q = QuantizeLinear(a, s, z)  y = DequantizeLinear(q, s, z) }""")
+    out, report = _apply(proto)
+    assert "QuantizeLinear" not in _testing.op_types(out) and "left float" in report.changes[0].detail
+    x = np.linspace(-1, 1, 64).astype(np.float32)
+    np.testing.assert_allclose(_testing.outputs(out, {"x": x})[0], np.clip(3 * x, 0, 2.55), rtol=1e-6, atol=1e-6)
