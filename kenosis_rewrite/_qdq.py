@@ -329,6 +329,43 @@ def constant_or_dequantized(value: ir.Value | None) -> np.ndarray | None:
     return dequantize_array(data, params)
 
 
+_SHAPE_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity")
+
+
+def reshaped_constant(value: ir.Value | None, depth: int = 4) -> np.ndarray | None:
+    """:func:`constant_or_dequantized`, also through Reshape/Unsqueeze/Squeeze/Flatten/Identity of
+    constants (Paddle exports reshape each Conv bias at run time: ``Add(conv, Reshape(b, [1, -1, 1, 1]))``)."""
+    array = constant_or_dequantized(value)
+    if array is not None or value is None or depth == 0:
+        return array
+    node = value.producer()
+    if node is None or node.op_type not in _SHAPE_OPS or node.domain not in DEFAULT_DOMAINS or not node.inputs:
+        return None
+    data = reshaped_constant(node.inputs[0], depth - 1)
+    if data is None:
+        return None
+    second = const_array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    try:
+        if node.op_type == "Identity":
+            return data
+        if node.op_type == "Flatten":
+            axis = node.attributes.get_int("axis", 1) % max(data.ndim, 1)
+            return data.reshape(int(np.prod(data.shape[:axis])), -1)
+        if node.op_type == "Reshape":
+            if second is None or node.attributes.get_int("allowzero", 0):
+                return None
+            shape = [data.shape[i] if size == 0 else int(size) for i, size in enumerate(second.reshape(-1))]
+            return data.reshape(shape)
+        axes = second if second is not None else node.attributes.get_ints("axes", None)
+        if node.op_type == "Squeeze":
+            return np.squeeze(data, axis=None if axes is None else tuple(int(a) for a in np.reshape(axes, -1)))
+        if axes is None:
+            return None
+        return np.expand_dims(data, tuple(int(a) for a in np.reshape(axes, -1)))
+    except (ValueError, IndexError):  # a shape that does not apply: not a constant we can read
+        return None
+
+
 def quantize_array(values: np.ndarray, params: QuantParams) -> np.ndarray:
     """``clip(rint(values / scale) + zero_point)`` as QuantizeLinear computes it (half to even)."""
     scale = _along_axis(params.scale.astype(np.float32), params, values.ndim)

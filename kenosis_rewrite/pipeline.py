@@ -33,6 +33,7 @@ from kenosis_rewrite.errors import KenosisError, RewriteError
 from kenosis_rewrite.guard import Guard, candidate_undos
 from kenosis_rewrite.passes import output_quantizers
 from kenosis_rewrite.passes.output_quantizers import QuantizeWeightedOutputsPass
+from kenosis_rewrite.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.passes.pin_shapes import pinned_model
 from kenosis_rewrite.report import FixReport, Refusal
 from kenosis_rewrite.rules.op_filter import op_filtered
@@ -122,8 +123,13 @@ class FixPass(ir.passes.InPlacePass):
         # bounds a saturating activation's quantizer puts on them (passes.output_quantizers)
         first = ([QuantizeWeightedOutputsPass(self.output_ranges, self.report)]
                  if self.output_ranges or target.facts.quantize_weighted_outputs else [])
+        pre_passes = target.pre_passes(self.report)
+        # after the per-axis activation quantizers became per-tensor (NNCF's at depthwise inputs): a
+        # saturating activation's quantizer bounds the output before it only as one grid
+        at = max((i + 1 for i, step in enumerate(pre_passes) if isinstance(step, PerTensorActivationsPass)), default=0)
+        pre_passes[at:at] = first
         steps = ir.passes.Sequential(
-            *self._enabled(first + target.pre_passes(self.report)),
+            *self._enabled(pre_passes),
             common_passes.RemoveUnusedNodesPass(),  # rules count consumers: dead readers must go first
             # post passes move Q/DQ and change parameters, which can make a rule match again (a Clip
             # moved in front of a Reshape now follows the Conv's Q/DQ): rules and post passes are

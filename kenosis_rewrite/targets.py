@@ -57,6 +57,7 @@ from kenosis_rewrite.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldB
 from kenosis_rewrite.rules.gather_dequantize import GatherBeforeDequantize
 from kenosis_rewrite.rules.matmul_nbits import matmul_nbits_rules
 from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
+from kenosis_rewrite.rules.conv_affine_folding import conv_affine_rules
 from kenosis_rewrite.rules.integer_matmul_bias import integer_matmul_bias_rules
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.sigmoid_gate import QuantizeSigmoidGate
@@ -87,13 +88,14 @@ class Target:
     post_passes: Callable[[Report], list]
 
 
-def _batchnorm(report: Report) -> list[RewriteRule]:
-    return [FoldBatchNormIntoConvThroughQDQ.rule(report), FoldBatchNormIntoConv.rule(report)]
+def _conv_folds(report: Report) -> list[RewriteRule]:
+    """BatchNormalization and constant affine arithmetic after a quantized Conv, into the Conv."""
+    return [FoldBatchNormIntoConvThroughQDQ.rule(report), FoldBatchNormIntoConv.rule(report), *conv_affine_rules(report).rules]
 
 
 def _ort_rules(report: Report) -> list[RewriteRule]:
     return [
-        *_batchnorm(report),
+        *_conv_folds(report),
         FoldReluIsland.rule(report), FoldClipIsland.rule(report),
         ReluZeroPointToQmin.rule(report), ClipZeroPointToQmin.rule(report),
         PReluToLeakyRelu.rule(report), PReluToReluMin.rule(report),
@@ -158,7 +160,7 @@ TARGETS: dict[str, Target] = {
             ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
             SymmetricActivationsPass(report, TENSORRT_FUSIBLE),
         ],
-        rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
+        rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
         post_passes=lambda report: [
             DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
             DequantizeBiasPass(report), ActivationBeforeDataMovementPass(report),
@@ -176,7 +178,7 @@ TARGETS: dict[str, Target] = {
         pre_passes=lambda report: [
             ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
         ],
-        rules=lambda report: [*_batchnorm(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
+        rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=_ort_post,
     ),
 }

@@ -88,6 +88,24 @@ def test_nncf_sppf_and_neck_run_integer_after_fix_without_requantizing_the_unifi
     assert kernels["QLinearConv"] == 5 and kernels["Conv"] == 0 and kernels["QLinearConcat"] == 0, kernels
 
 
+def test_nncf_paddle_lcnet_layers_run_integer_after_fix_without_calibration():
+    """NNCF 3.4 on PP-LCNetV3-style layers as Paddle2ONNX writes them (tests/fixtures/makers/make_lcnetish.py):
+    each Conv is followed by a float Add(bias) -> Mul -> Add chain, so ORT runs every Conv in float.
+    fix() folds each chain into its Conv (fold-affine-into-conv) and gives the Conv the quantizer its
+    HardSwish -> Mul -> Add -> Q bounds (quantize-weighted-outputs), without any calibration feeds:
+    every Conv but the head (a Relu then the graph output: nothing bounds it) runs as QLinearConv."""
+    peer = onnx.load(FIXTURES / "lcnetish_nncf3.4.onnx")
+    float_model = onnx.load(FIXTURES / "lcnetish_fp32.onnx")
+    assert _testing.ort_optimized_op_types(peer)["QLinearConv"] == 0
+    fixed, report = fix(peer, return_report=True)
+    counts = report.change_counts()
+    assert counts["fold-affine-into-conv"] == 15 and counts["quantize-weighted-outputs"] == 5, report.summary()
+    kernels = _testing.ort_optimized_op_types(fixed)
+    assert kernels["QLinearConv"] == 5 and kernels["FusedConv"] == 1, kernels  # the head: Conv + Relu in float
+    scores = fidelity.compare_to_float(float_model, {"peer": peer, "fixed": fixed}, _feeds(2))
+    assert scores["fixed"]["cosine"] >= scores["peer"]["cosine"] - 0.002, scores
+
+
 @pytest.mark.parametrize("name", FP16_OUTPUTS)
 def test_modelopt_fp16_outputs_are_accepted_and_still_run_with_their_fidelity(name):
     """ModelOpt's default writes the whole float graph in fp16: ORT CPU has no fp16 integer kernels,

@@ -59,6 +59,7 @@ import onnx_ir as ir
 from kenosis_rewrite import _qdq, fidelity
 from kenosis_rewrite.passes._base import ReportingPass
 from kenosis_rewrite.passes.qdq_propagation import commutes_with_qdq
+from kenosis_rewrite.rules.conv_affine_folding import AFFINE_OPS, conv_affine
 
 RULE_NAME = "quantize-weighted-outputs"
 _PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
@@ -117,15 +118,24 @@ def _reaches_quantizer(value: ir.Value) -> bool:
 
 
 def quantizer_site(node: ir.Node) -> ir.Value:
-    """Where the output quantizer of ``node`` goes: its output, or after the BatchNormalization that
-    alone reads a Conv's output (``fold-batchnorm-into-conv`` then folds that BN into the Conv)."""
-    output = node.outputs[0]
-    users = list(output.uses())
-    if node.op_type == "Conv" and len(users) == 1 and not output.is_graph_output():
-        bn = users[0][0]
-        if bn.op_type == "BatchNormalization" and bn.domain in _qdq.DEFAULT_DOMAINS and users[0][1] == 0:
-            return bn.outputs[0]
-    return output
+    """Where the output quantizer of ``node`` goes: its output, or, for a Conv, after the chain of
+    BatchNormalizations and constant per-channel Mul/Div/Add/Sub that alone reads its output
+    (``fold-batchnorm-into-conv`` and ``fold-affine-into-conv`` then fold the chain into the Conv)."""
+    site = node.outputs[0]
+    weights = _qdq.constant_or_dequantized(node.inputs[1]) if node.op_type == "Conv" and len(node.inputs) > 1 else None
+    if weights is None:
+        return site
+    while not site.is_graph_output():
+        users = list(site.uses())
+        if len(users) != 1 or users[0][1] != 0 and users[0][0].op_type not in ("Add", "Mul"):
+            break
+        user = users[0][0]
+        foldable = (user.op_type == "BatchNormalization" and user.domain in _qdq.DEFAULT_DOMAINS
+                    or not isinstance(conv_affine(user, site, weights.shape[0], weights.ndim), str))
+        if not foldable:
+            break
+        site = user.outputs[0]
+    return site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,16 +249,48 @@ def activation_bounds(kind: str, alpha: float, beta: float, lo: float, hi: float
     return (max(lo, 0.0) - beta) / alpha, (min(hi, 1.0) - beta) / alpha
 
 
+def _scalar_affine_after(value: ir.Value) -> tuple[ir.Value, float, float]:
+    """``(end, a, b)``: ``end = a * value + b`` at the end of the chain of Mul/Div by positive scalar
+    constants and Add/Sub of scalar constants that alone reads ``value`` (Paddle's learnable affine
+    after an activation); ``(value, 1, 0)`` without one. ``a > 0``: the chain is increasing."""
+    a, b = 1.0, 0.0
+    while not value.is_graph_output():
+        uses = list(value.uses())
+        if len(uses) != 1:
+            break
+        node, index = uses[0]
+        if node.op_type not in AFFINE_OPS or node.domain not in _qdq.DEFAULT_DOMAINS or len(node.inputs) != 2 \
+                or (index == 1 and node.op_type in ("Sub", "Div")) or node.inputs[0] is node.inputs[1]:
+            break
+        constant = _qdq.reshaped_constant(node.inputs[1 - index])
+        if constant is None or constant.size != 1 or not np.issubdtype(constant.dtype, np.floating):
+            break
+        t = float(constant.reshape(-1)[0])
+        if node.op_type in ("Mul", "Div") and not t > 0:
+            break
+        if node.op_type == "Mul":
+            a, b = a * t, b * t
+        elif node.op_type == "Div":
+            a, b = a / t, b / t
+        else:
+            b = b + t if node.op_type == "Add" else b - t
+        value = node.outputs[0]
+    return value, a, b
+
+
 def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
     """``(a, b, why)`` when ``value`` is read only by a saturating activation whose output only
-    quantizers with one set of per-tensor parameters read: values of ``value`` outside ``[a, b]``
-    give those quantizers the codes of ``a`` and ``b``, so a grid for ``value`` can stop there."""
+    quantizers with one set of per-tensor parameters read, directly or through an increasing
+    scalar affine (:func:`_scalar_affine_after`, whose inverse maps their range onto the
+    activation's): values of ``value`` outside ``[a, b]`` give those quantizers the codes of ``a``
+    and ``b``, so a grid for ``value`` can stop there."""
     activation = saturating_activation(value)
     if activation is None:
         return None
     kind, output, alpha, beta = activation
-    readers = [user for user, _ in output.uses()]
-    if output.is_graph_output() or not readers or not all(_qdq.is_quantize(user) for user in readers):
+    end, scale_after, shift_after = _scalar_affine_after(output)
+    readers = [user for user, _ in end.uses()]
+    if end.is_graph_output() or not readers or not all(_qdq.is_quantize(user) for user in readers):
         return None
     params = [_qdq.quant_params(user) for user in readers]
     first = params[0]
@@ -256,10 +298,16 @@ def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
         return None
     scale, zero_point = first.scalar_scale, first.scalar_zero_point
     lo, hi = (first.qmin - zero_point) * scale, (first.qmax - zero_point) * scale
+    through = ""
+    if end is not output:
+        lo, hi = (lo - shift_after) / scale_after, (hi - shift_after) / scale_after
+        through = f" through {scale_after:.4g} x + {shift_after:.4g}"
+        if not hi >= 0:  # the quantizer's whole range lies below what the activation reaches
+            return None
     low, high = activation_bounds(kind, alpha, beta, lo, hi)
     if not low < high:
         return None
-    return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]"
+    return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]{through}"
 
 
 def site_range(site: Site, measured: tuple[float, float] | None) -> tuple[float, float, str] | None:

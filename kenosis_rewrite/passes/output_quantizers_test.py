@@ -312,3 +312,27 @@ def test_arithmetic_that_is_not_a_hardswish_gets_no_bounds():
     fixed, report = kenosis_rewrite.fix(proto, return_report=True)
     assert RULE_NAME not in report.change_counts()
     assert any("pass calibration=" in note for note in report.notes)
+
+
+def test_bounds_through_an_increasing_affine_after_the_hardswish_are_exact_in_saturation():
+    """Property (Paddle's ``HardSwish -> Mul(a > 0) -> Add(b) -> Q``): the bounds of the quantizer's range
+    mapped back through the affine clip the HardSwish's input without changing any code."""
+    def hardswish(v):
+        return v * np.clip(v / 6 + 0.5, 0, 1)
+    rng = np.random.default_rng(1)
+    checked = 0
+    for _ in range(300):
+        scale_out, zero_out = float(rng.uniform(0.002, 0.1)), int(rng.integers(0, 256))
+        slope, shift = float(rng.uniform(0.01, 3.0)), float(rng.uniform(-1.0, 1.0))
+        lo, hi = (0 - zero_out) * scale_out, (255 - zero_out) * scale_out
+        lo_act, hi_act = (lo - shift) / slope, (hi - shift) / slope
+        if not hi_act >= 0:
+            continue
+        a, b = activation_bounds("HardSwish", 1 / 6, 0.5, lo_act, hi_act)
+        x = rng.uniform(a - 20, b + 20, 4000)
+        def codes(v):
+            return np.clip(np.rint((slope * hardswish(v) + shift) / scale_out) + zero_out, 0, 255)
+        beyond = (x < min(a, 0.0) - 1e-6) | (x > b + 1e-6)
+        np.testing.assert_array_equal(codes(x)[beyond], codes(np.clip(x, a, b))[beyond])
+        checked += 1
+    assert checked > 100

@@ -124,8 +124,17 @@ def _one_scale_growth(weights: np.ndarray, params: _qdq.QuantParams, a: np.ndarr
 
 
 class _FoldBatchNorm(ReportingRule):
-    def __init__(self, report: FixReport | None = None):
-        super().__init__(RULE_NAME, report)
+    """The fold of a per-channel affine ``a * x + c`` after a quantized Conv (:meth:`_affine` reads
+    it from the node that follows; here a BatchNormalization)."""
+
+    folded_suffix = "bn_folded"  # of the names of the new weights and bias
+
+    def __init__(self, report: FixReport | None = None, name: str = RULE_NAME):
+        super().__init__(name, report)
+
+    def _affine(self, node: ir.Node, conv: ir.Node, channels: int) -> tuple[np.ndarray, np.ndarray] | str:
+        """``(a, c)`` with ``node(x) = a * x + c`` per output channel (or broadcast), or a reason."""
+        return _bn_affine(node)
 
     def check(self, context, x, w, conv_out, bn_out, q=None, dq=None, **_) -> MatchResult:
         conv, bn = conv_out.producer(), bn_out.producer()
@@ -149,9 +158,6 @@ class _FoldBatchNorm(ReportingRule):
                 "Clip quantize() marked): it stands for a Relu/Clip quantize_static removed, which no fold into the "
                 "Conv can keep",
             )
-        affine = _bn_affine(bn)
-        if isinstance(affine, str):
-            return self.refuse(where, affine)
         weight_dq = w.producer()
         if not _qdq.is_dequantize(weight_dq) or _qdq.const_array(weight_dq.inputs[0]) is None:
             return self.refuse(where, "the Conv weight is not a dequantized constant")
@@ -161,8 +167,11 @@ class _FoldBatchNorm(ReportingRule):
         if not params.is_per_tensor and params.axis != 0:
             return self.refuse(where, f"per-axis weight scale on axis {params.axis}, not the output channels")
         channels = _qdq.const_array(weight_dq.inputs[0]).shape[0]
-        if affine[0].size not in (1, channels):
-            return self.refuse(where, "BatchNormalization channels do not match the Conv's output channels")
+        affine = self._affine(bn, conv, channels)
+        if isinstance(affine, str):
+            return self.refuse(where, affine)
+        if affine[0].size not in (1, channels) or affine[1].size not in (1, channels):
+            return self.refuse(where, f"the {bn.op_type}'s channels do not match the Conv's output channels")
         if len(conv.inputs) > 2 and conv.inputs[2] is not None:
             if _qdq.constant_or_dequantized(conv.inputs[2]) is None:
                 return self.refuse(where, "the Conv bias is not a constant")
@@ -178,10 +187,10 @@ class _FoldBatchNorm(ReportingRule):
 
     def rewrite(self, op, x, w, conv_out, bn_out, **_):
         conv, bn, weight_dq = conv_out.producer(), bn_out.producer(), w.producer()
-        a, c = _bn_affine(bn)
         params = _qdq.quant_params(weight_dq)
         weights = _qdq.const_array(weight_dq.inputs[0])
         channels = weights.shape[0]
+        a, c = self._affine(bn, conv, channels)
         a, c = np.broadcast_to(a, (channels,)), np.broadcast_to(c, (channels,))
         per_tensor = getattr(self, "_opset", _qdq.PER_AXIS_OPSET) < _qdq.PER_AXIS_OPSET
         symmetric_int8 = params.dtype == ir.DataType.INT8 and not np.any(params.zero_point)
@@ -202,7 +211,7 @@ class _FoldBatchNorm(ReportingRule):
 
         graph = conv.graph
         base = conv.name or "conv"
-        initializer = _qdq.constant_maker(op, lambda name: self.fresh_name(graph, name), f"{base}_bn_folded")
+        initializer = _qdq.constant_maker(op, lambda name: self.fresh_name(graph, name), f"{base}_{self.folded_suffix}")
 
         if per_tensor:
             weight_value = op.DequantizeLinear(
