@@ -334,11 +334,21 @@ _SHAPE_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity")
 
 def reshaped_constant(value: ir.Value | None, depth: int = 4) -> np.ndarray | None:
     """:func:`constant_or_dequantized`, also through Reshape/Unsqueeze/Squeeze/Flatten/Identity of
-    constants (Paddle exports reshape each Conv bias at run time: ``Add(conv, Reshape(b, [1, -1, 1, 1]))``)."""
+    constants (Paddle exports reshape each Conv bias at run time: ``Add(conv, Reshape(b, [1, -1, 1, 1]))``),
+    and through the ``Q -> DQ`` quantize_static puts after such a Reshape (read as the model computes it)."""
     array = constant_or_dequantized(value)
     if array is not None or value is None or depth == 0:
         return array
     node = value.producer()
+    if is_dequantize(node):  # DQ(Q(a reshaped constant)): quantize_static quantizes the Reshape's output
+        quantize = node.inputs[0].producer()
+        params = quant_params(node)
+        if not is_quantize(quantize) or params is None or params.block_size:
+            return None
+        source, q_params = reshaped_constant(quantize.inputs[0], depth - 1), quant_params(quantize)
+        if source is None or q_params is None or not q_params.same_as(params):
+            return None
+        return dequantize_array(quantize_array(source, params), params)
     if node is None or node.op_type not in _SHAPE_OPS or node.domain not in DEFAULT_DOMAINS or not node.inputs:
         return None
     data = reshaped_constant(node.inputs[0], depth - 1)

@@ -132,8 +132,9 @@ class _FoldBatchNorm(ReportingRule):
     def __init__(self, report: FixReport | None = None, name: str = RULE_NAME):
         super().__init__(name, report)
 
-    def _affine(self, node: ir.Node, conv: ir.Node, channels: int) -> tuple[np.ndarray, np.ndarray] | str:
-        """``(a, c)`` with ``node(x) = a * x + c`` per output channel (or broadcast), or a reason."""
+    def _affine(self, node: ir.Node, data: ir.Value, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray] | str:
+        """``(a, c)`` with ``node(data) = a * data + c`` per output channel (or broadcast), or a
+        reason; ``data``: the Conv's output, or its dequantized copy, that ``node`` reads."""
         return _bn_affine(node)
 
     def check(self, context, x, w, conv_out, bn_out, q=None, dq=None, **_) -> MatchResult:
@@ -146,15 +147,15 @@ class _FoldBatchNorm(ReportingRule):
         if q is not None:
             middle = _qdq.quant_params(q.producer())
             if middle is None or not middle.is_per_tensor:
-                return self.refuse(where, "the Q between the Conv and the BatchNormalization is not per-tensor constant")
+                return self.refuse(where, f"the Q between the Conv and the {bn.op_type} is not per-tensor constant")
         if q is not None and not all(_qdq.is_quantize(user) for user, _ in bn_out.uses()):
             return self.refuse(
-                where, "the BatchNormalization output is not quantized: folding would leave the Conv "
+                where, f"the {bn.op_type} output is not quantized: folding would leave the Conv "
                 "without an output quantizer, i.e. a float Conv",
             )
         if q is not None and value_range.implied_clamp(q.producer()) is not None:
             return self.refuse(
-                where, "the Q between the Conv and the BatchNormalization clamps (zero point at qmin, or a deleted "
+                where, f"the Q between the Conv and the {bn.op_type} clamps (zero point at qmin, or a deleted "
                 "Clip quantize() marked): it stands for a Relu/Clip quantize_static removed, which no fold into the "
                 "Conv can keep",
             )
@@ -167,7 +168,7 @@ class _FoldBatchNorm(ReportingRule):
         if not params.is_per_tensor and params.axis != 0:
             return self.refuse(where, f"per-axis weight scale on axis {params.axis}, not the output channels")
         channels = _qdq.const_array(weight_dq.inputs[0]).shape[0]
-        affine = self._affine(bn, conv, channels)
+        affine = self._affine(bn, dq if dq is not None else conv_out, _qdq.const_array(weight_dq.inputs[0]))
         if isinstance(affine, str):
             return self.refuse(where, affine)
         if affine[0].size not in (1, channels) or affine[1].size not in (1, channels):
@@ -185,12 +186,12 @@ class _FoldBatchNorm(ReportingRule):
                     f"weight step {growth:.3g}x its step in the input (at most {MAX_STEP_GROWTH:g}x)")
         return MatchResult()
 
-    def rewrite(self, op, x, w, conv_out, bn_out, **_):
+    def rewrite(self, op, x, w, conv_out, bn_out, dq=None, **_):
         conv, bn, weight_dq = conv_out.producer(), bn_out.producer(), w.producer()
         params = _qdq.quant_params(weight_dq)
         weights = _qdq.const_array(weight_dq.inputs[0])
         channels = weights.shape[0]
-        a, c = self._affine(bn, conv, channels)
+        a, c = self._affine(bn, dq if dq is not None else conv_out, weights)
         a, c = np.broadcast_to(a, (channels,)), np.broadcast_to(c, (channels,))
         per_tensor = getattr(self, "_opset", _qdq.PER_AXIS_OPSET) < _qdq.PER_AXIS_OPSET
         symmetric_int8 = params.dtype == ir.DataType.INT8 and not np.any(params.zero_point)

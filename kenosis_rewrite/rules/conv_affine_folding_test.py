@@ -122,3 +122,27 @@ def test_fix_runs_the_nncf_layer_as_qlinearconv_and_keeps_its_outputs():
     before = np.concatenate([_testing.outputs(proto, f)[0].ravel() for f in _feeds(8)])
     after = np.concatenate([_testing.outputs(fixed, f)[0].ravel() for f in _feeds(8)])
     assert float(before @ after / np.linalg.norm(before) / np.linalg.norm(after)) > 0.999
+
+
+def test_quantize_static_chains_fold_through_their_quantizers_and_stay_as_faithful():
+    """quantize_static quantizes each op of Paddle's chain on its own (its Reshape'd bias too, as an
+    activation): the folds go through those Q/DQ, and ORT runs one QLinearConv per layer instead of a
+    QLinearConv and three elementwise ops, each between its own Q/DQ."""
+    import pathlib
+
+    from kenosis_rewrite import fidelity, ort_quantize
+
+    float_model = onnx.load(pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "lcnetish_fp32.onnx")
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(10)]
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds[:6], "pc")
+    before = _testing.ort_optimized_op_types(qdq)
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+    assert report.change_counts().get(RULE_NAME) == 15, report.summary()  # 5 layers x (bias, Mul, Add)
+    after = _testing.ort_optimized_op_types(fixed)
+    assert after["QLinearConv"] == before["QLinearConv"] == 6
+    elementwise = ("Add", "Mul", "QLinearAdd", "QLinearMul")
+    assert sum(after[op] for op in elementwise) == sum(before[op] for op in elementwise) - 15, (before, after)
+    assert after["QuantizeLinear"] < before["QuantizeLinear"] - 15, (before, after)
+    scores = fidelity.compare_to_float(float_model, {"input": qdq, "fixed": fixed}, feeds[6:])
+    assert scores["fixed"]["cosine"] >= scores["input"]["cosine"] - 0.002, scores
