@@ -329,11 +329,19 @@ def check_float(model: ir.Model, caller: str) -> None:
     if not counts:
         return
     found = ", ".join(f"{count} {op_type}" for op_type, count in sorted(counts.items(), key=lambda item: -item[1]))
-    qdq = (_qdq.QUANTIZE in counts or _qdq.DEQUANTIZE in counts) and not QOPERATOR_OPS.intersection(counts)  # fix() takes it
+    dynamic = any(op_type in DYNAMIC_INTEGER_OPS or op_type.startswith("DynamicQuantize") for op_type in counts)
+    # fix() takes a QDQ model; a dynamic one it leaves as ORT runs it, a QOperator one it refuses
+    qdq = (_qdq.QUANTIZE in counts or _qdq.DEQUANTIZE in counts) and not QOPERATOR_OPS.intersection(counts) and not dynamic
+    if qdq:
+        advice = "; or, to make this QDQ model faster as it is, use kenosis_rewrite.fix() (`kenosis-rewrite fix`)."
+    elif dynamic:
+        advice = (": it quantizes its activations at run time (quantize_dynamic's form), which ONNX Runtime fuses as "
+                  "it is, so fix() has no placement to change in it either.")
+    else:
+        advice = "."
     raise AlreadyQuantizedError(
         f"{caller} takes an FP32 model, and this one is already quantized (it has {found}). Pass the FP32 "
-        "model it was quantized from" + ("; or, to make this QDQ model faster as it is, use kenosis_rewrite.fix() "
-                                         "(`kenosis-rewrite fix`)." if qdq else ".")
+        "model it was quantized from" + advice
     )
 
 

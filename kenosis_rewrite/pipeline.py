@@ -29,7 +29,7 @@ from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter import RewritePass, RewriteRuleSet
 
 from kenosis_rewrite import _io, _qdq, _timing
-from kenosis_rewrite.errors import KenosisError, RewriteError
+from kenosis_rewrite.errors import InvalidModelError, KenosisError, RewriteError
 from kenosis_rewrite.guard import Guard, candidate_undos
 from kenosis_rewrite.passes import output_quantizers
 from kenosis_rewrite.passes.output_quantizers import QuantizeWeightedOutputsPass
@@ -172,6 +172,18 @@ def _passes_full_check(proto: onnx.ModelProto) -> str | None:
     return None
 
 
+def _ort_refusal(proto: onnx.ModelProto) -> str | None:
+    """Why ONNX Runtime refuses to load ``proto`` (optimizations off), or None when it loads it."""
+    from kenosis_rewrite import _ort  # noqa: PLC0415 - only for inputs that fail the checker
+
+    options = _ort.options(None, level="none", spinning=False)
+    try:
+        _ort.session(proto, options)
+    except Exception as error:  # noqa: BLE001 - ORT raises its own unexported exception types
+        return str(error).splitlines()[0][:300]
+    return None
+
+
 def _validate(before: onnx.ModelProto, after: onnx.ModelProto, report: FixReport) -> None:
     if interface(before) != interface(after):
         raise RewriteError(
@@ -181,8 +193,16 @@ def _validate(before: onnx.ModelProto, after: onnx.ModelProto, report: FixReport
     problem = _passes_full_check(after)
     if problem is None:
         return
-    if _passes_full_check(before) is not None:
-        # The input itself fails the strict check; hold the output to the same standard as the input.
+    input_problem = _passes_full_check(before)
+    if input_problem is not None:
+        refusal = _ort_refusal(before)
+        if refusal is not None:
+            raise InvalidModelError(
+                f"The input model fails the ONNX checker (full_check: {input_problem.splitlines()[0]}) and ONNX Runtime "
+                f"refuses to load it ({refusal}): it is not a valid model, and no rewrite of it can be checked. If a "
+                "quantizer wrote it, quantize the FP32 model again (a float16 model needs opset 19 for float16 "
+                "quantization scales), or quantize it with kenosis_rewrite.quantize().")
+        # The input itself fails the strict check but runs; hold the output to the same standard as the input.
         report.note("the input model fails onnx.checker full_check; the output was checked without it")
         _io.check_model(after)
         return

@@ -64,6 +64,8 @@ def test_quantize_and_prepare_refuse_a_quantized_model(form, tmp_path):
         with pytest.raises(kenosis_rewrite.AlreadyQuantizedError, match=rf"{caller[:-2]}\(\) takes an FP32 model.*\d+ {named}") as raised:
             call()
         assert ("kenosis_rewrite.fix()" in str(raised.value)) == (form == "qdq")
+        # fix() has no placement to change in a dynamic model: not advised there
+        assert ("at run time" in str(raised.value)) == form.startswith("dynamic")
     assert quantized.SerializeToString() == before
     kenosis_rewrite.quantize(float_model, calibration=feeds)  # the FP32 model it came from is accepted
 
@@ -143,3 +145,20 @@ def test_every_error_is_a_kenosis_error():
                  "UnsupportedOpsetError", "ModelTooLargeError", "UnsupportedTargetError", "ZooError",
                  "RuntimeMeasurementError", "RewriteError"):
         assert issubclass(getattr(kenosis_rewrite, name), kenosis_rewrite.KenosisError)
+
+
+def test_fix_refuses_an_input_that_fails_full_check_and_onnxruntime_alike():
+    """quantize_static of a float16 model (slovorez 0.1.0) writes float16 scales at an opset whose
+    QuantizeLinear/DequantizeLinear take float32 only: the checker's full check and ONNX Runtime both
+    refuse it. fix() returned a model failing the checker; it now raises InvalidModelError."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+             helper.make_node("Relu", ["d"], ["y"])]
+    inits = [onnx.numpy_helper.from_array(np.array(0.1, np.float16), "s"), onnx.numpy_helper.from_array(np.array(128, np.uint8), "z")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 2, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 2, 4, 4])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(proto)  # the plain check passes
+    with pytest.raises(kenosis_rewrite.InvalidModelError, match="full_check.*ONNX Runtime refuses to load it"):
+        kenosis_rewrite.fix(proto)
