@@ -2,10 +2,14 @@
 
 ``prepare(model, feeds)`` runs, in order:
 
-1. **Input shapes** (``pin-input-shapes``): when the graph computes with the shape of a tensor
-   (``Shape``/``Size``) and an input has symbolic dims, the dims are pinned to the shapes in use
-   (``input_shapes``, or the feeds' shapes where every feed agrees) so the shape arithmetic folds.
-   The prepared model then accepts only those shapes; the report says which dims were pinned.
+1. **Input shapes** (``pin-input-shapes``): when a Pad or Resize computes its parameters from the
+   shape of a tensor (TF-style "same" padding, an upsampling to a computed size) and an input has
+   symbolic dims, the dims are pinned to the shapes in use (``input_shapes``, or the feeds' shapes
+   where every feed agrees) so the shape arithmetic folds: the spatial dims first, the batch only
+   if a computed Pad/Resize remains. The prepared model then accepts only those shapes; the report
+   says which dims were pinned. Shape arithmetic anywhere else (a recurrent state's batch size, an
+   attention mask's length, a detector's anchors) pins nothing: the model keeps accepting every
+   shape, and quantize() keeps that arithmetic float (``float-shape-arithmetic``).
 2. **Constant folding and onnxscript's default rules** (``onnxscript.optimizer``): shape
    arithmetic, run-time "same" padding (``Shape -> Slice -> ... -> Pad`` folds to a constant Pad,
    which ``fuse_pad_into_conv`` moves into the Conv), BatchNormalization into Conv/Gemm, Cast/
@@ -95,6 +99,24 @@ def _op_counts(model: ir.Model) -> collections.Counter:
 
 def _reads_shapes(model: ir.Model) -> bool:
     return any(node.op_type in _SHAPE_READERS for node in model.graph.all_nodes())
+
+
+# the parameter inputs of the data-path ops whose run-time values keep a quantized graph from fusing:
+# a Pad that cannot move into its Conv (TF "same" padding), a Resize of computed size
+_LAYOUT_PARAMETERS = {"Pad": (1, 2), "Resize": (1, 2, 3), "Upsample": (1,)}
+
+
+def computed_layout_parameters(model: ir.Model) -> list[str]:
+    """The Pad/Resize/Upsample nodes (names) whose parameters the graph computes at run time: what
+    pinning input shapes is for. A graph that reads shapes only for anything else (a recurrent
+    state's batch size, an attention mask's length, anchors) folds nothing a quantizer needs there."""
+    found = []
+    for node in model.graph.all_nodes():
+        indices = _LAYOUT_PARAMETERS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if indices and any(index < len(node.inputs) and node.inputs[index] is not None
+                           and node.inputs[index].const_value is None for index in indices):
+            found.append(node.name or node.op_type)
+    return found
 
 
 def _is_static(dim) -> bool:
@@ -366,12 +388,17 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
     _fold(model)
     if op_filtered(shape_slice_rules()).apply_to_model(model):
         _fold(model)
-    if shapes and _reads_shapes(model):
-        # the batch dim last: most shape arithmetic (padding, anchors) reads only the spatial dims
+    if shapes and computed_layout_parameters(model):
+        # only while a Pad/Resize computes its parameters: a pinned model accepts no other shapes
+        # (a beam search's batch, a sentence's length); the batch dim last, as padding reads the
+        # spatial dims
         without_batch = {name: [None, *dims[1:]] for name, dims in shapes.items() if dims}
         for attempt in (without_batch, shapes):
-            if _reads_shapes(model) and pin_input_shapes(model, attempt, source, report):
+            if computed_layout_parameters(model) and pin_input_shapes(model, attempt, source, report):
                 _fold(model)
+    if _reads_shapes(model) and _symbolic_inputs(model):
+        report.note("prepare: the input dims stay symbolic, so the model keeps accepting every shape; its shape "
+                    "arithmetic stays float. To fold it for one deployment shape: fix(model, input_shapes={...})")
     model = _ort_basic_optimized(model, report)
     _fold(model)
     if _apply_rules(model, report):

@@ -221,3 +221,32 @@ def test_folding_skips_shape_inference_only_where_it_would_change_nothing(export
     inferred.clear()
     assert folded(skipping=True) == expected
     assert 0 < sum(inferred.values()) < every_node, (sum(inferred.values()), every_node)
+
+
+def test_shape_arithmetic_that_feeds_no_pad_or_resize_pins_nothing_and_every_batch_still_runs():
+    """A graph that reads its batch size for something else than padding (here a zero state of the
+    batch's size; a beam search's encoder, arabic-name-romanizer 0.2.0) keeps its symbolic dims:
+    quantize() used to pin them to the calibration feeds' batch, and its model refused any other."""
+    weights = ", ".join(f"{v:.3f}" for v in np.random.default_rng(0).standard_normal(4 * 3 * 9) * 0.3)
+    model = onnx.parser.parse_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N, 3, 8, 8] x) => (float[N, 4, 8, 8] y)
+    <float[4, 3, 3, 3] w = {{{weights}}}, int64[1] start = {{0}}, int64[1] end = {{1}}, int64[3] tail = {{4, 8, 8}}>
+    {{
+      c = Conv <pads = [1, 1, 1, 1]> (x, w)
+      r = Relu(c)
+      s = Shape(x)
+      n = Slice(s, start, end)
+      full = Concat <axis = 0> (n, tail)
+      zeros = ConstantOfShape(full)
+      y = Add(r, zeros)
+    }}""")
+    feeds = _feeds([2, 3, 8, 8], 8)
+    prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert "pin-input-shapes" not in {c.rule for c in report.changes}
+    assert any("stay symbolic" in note for note in report.notes)
+    assert prepared.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+    quantized = kenosis_rewrite.quantize(model, feeds)
+    for batch in (2, 4, 1):
+        feed = _feeds([batch, 3, 8, 8], 1)
+        assert fidelity.run(quantized, feed)[0][0].shape == (batch, 4, 8, 8)
