@@ -136,3 +136,40 @@ def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_pat
         if Origin.SHAPE in inputs or (shape_paths and all(kind is Origin.CONSTANT for kind in inputs)):
             excluded.append(node.name)
     return [name for name in excluded if name]
+
+
+def unshare_protected_constants(model: onnx.ModelProto, protected: Collection[str]) -> int:
+    """Give each node of ``protected`` its own copy of every initializer a node outside it reads too;
+    returns how many inputs were rewired. quantize_static quantizes a tensor for all of its readers:
+    a constant a protected node shares with a quantized op (prepare()'s deduplication merges equal
+    constants: a grid's stride and the box offsets' scale, both 8.0) would reach it dequantized."""
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    readers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in initializers:
+                readers.setdefault(name, set()).add(node.name)
+    protected = set(protected)
+    taken = set(initializers) | {name for node in model.graph.node for name in [*node.input, *node.output]}
+    copies: dict[str, str] = {}
+    rewired = 0
+    for node in model.graph.node:
+        if node.name not in protected:
+            continue
+        for index, name in enumerate(node.input):
+            if name not in initializers or not readers[name] - protected:
+                continue
+            if name not in copies:
+                fresh, suffix = f"{name}_float", 0
+                while fresh in taken:
+                    suffix += 1
+                    fresh = f"{name}_float_{suffix}"
+                taken.add(fresh)
+                copy = onnx.TensorProto()
+                copy.CopyFrom(initializers[name])
+                copy.name = fresh
+                model.graph.initializer.append(copy)
+                copies[name] = fresh
+            node.input[index] = copies[name]
+            rewired += 1
+    return rewired

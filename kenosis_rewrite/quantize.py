@@ -52,7 +52,7 @@ from kenosis_rewrite.weight_rounding import InputMoments, round_weights
 from kenosis_rewrite.errors import ControlFlowError, KenosisError, one_line, ModelTooLargeError
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
-from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes
+from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes, unshare_protected_constants
 from kenosis_rewrite.canonical import prepare_serialized
 from kenosis_rewrite.passes.dynamic_activations import DynamicActivationsPass
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
@@ -451,6 +451,7 @@ def quantize(
     options.update(planned)
     metadata = _metadata_inputs(proto) if protect_metadata_inputs else set()
     excluded = protected_nodes(proto, metadata)
+    unshare_protected_constants(proto, excluded)
     if excluded or planned_exclusions:
         options["nodes_to_exclude"] = list(dict.fromkeys([*excluded, *planned_exclusions]))
         for name in excluded:

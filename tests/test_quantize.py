@@ -194,7 +194,7 @@ def test_grid_computed_from_shapes_is_never_quantized(canonicalize):
     # dims still symbolic: another size runs
     other = {"x": rng.normal(0, 1, (1, toy_models.C, 16, 16)).astype(np.float32)}
     assert fidelity.run(quantized, [other])[0][0].shape == (1, 2, 16, 16)
-        assert any(c.rule == "protect-metadata-inputs" for c in report.changes)
+    assert any(c.rule == "protect-metadata-inputs" for c in report.changes)
 
 
 def test_self_calibration_never_pins_the_input_dims():
