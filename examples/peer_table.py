@@ -3,10 +3,11 @@
 Usage (the peer's model made in the peer's own venv, e.g. NNCF: ``nncf.quantize(model, nncf.Dataset(feeds))``
 on the same calibration feeds)::
 
-    python examples/peer_table.py FP32.onnx PEER.onnx FEEDS.npz [--calibration 8] [--seconds 3]
+    python examples/peer_table.py FP32.onnx PEER.onnx FEEDS.npz [--calibration 8] [--seconds 3] [--quantize]
 
 ``FEEDS.npz`` holds ``"{i}::{input name}"`` arrays: the first ``--calibration`` feed dicts calibrate
 (quantize_static, fix), the rest measure fidelity. Latency: interleaved medians, 1 and 2 threads.
+``--quantize`` adds ``kenosis_rewrite.quantize()`` of the FP32 model on the same calibration feeds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("feeds")
     parser.add_argument("--calibration", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--quantize", action="store_true", help="add kenosis_rewrite.quantize() of the FP32 model")
     args = parser.parse_args()
     feeds = peers.load_feeds(args.feeds)
     calibration, held_out = feeds[: args.calibration], feeds[args.calibration:]
@@ -37,6 +39,8 @@ def main() -> None:
         "quantize_static": qdq,
         "fix(quantize_static)": kenosis_rewrite.fix(qdq, float_model=fp32, calibration=calibration),
     }
+    if args.quantize:
+        variants["quantize()"] = kenosis_rewrite.quantize(fp32, calibration=calibration)
     scores = fidelity.compare_to_float(fp32, variants, held_out)
     speed = {}
     for threads in (1, 2):
