@@ -127,7 +127,8 @@ def quantizer_site(node: ir.Node) -> ir.Value:
         return site
     while not site.is_graph_output():
         users = list(site.uses())
-        if len(users) != 1 or users[0][1] != 0 and users[0][0].op_type not in ("Add", "Mul"):
+        # read once, as the first input (either one of a commutative Add/Mul)
+        if len(users) != 1 or (users[0][1] != 0 and users[0][0].op_type not in ("Add", "Mul")):
             break
         user = users[0][0]
         foldable = (user.op_type == "BatchNormalization" and user.domain in _qdq.DEFAULT_DOMAINS

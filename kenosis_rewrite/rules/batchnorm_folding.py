@@ -57,7 +57,7 @@ from kenosis_rewrite import _qdq, value_range
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules._reporting import ReportingRule
 
-__all__ = ["FoldBatchNormIntoConv", "FoldBatchNormIntoConvThroughQDQ", "batchnorm_rules"]
+__all__ = ["ConvAffineFold", "FoldBatchNormIntoConv", "FoldBatchNormIntoConvThroughQDQ", "batchnorm_rules"]
 
 RULE_NAME = "fold-batchnorm-into-conv"
 _INT32 = np.iinfo(np.int32)
@@ -123,7 +123,7 @@ def _one_scale_growth(weights: np.ndarray, params: _qdq.QuantParams, a: np.ndarr
     return float(growth[worst]), worst
 
 
-class _FoldBatchNorm(ReportingRule):
+class ConvAffineFold(ReportingRule):
     """The fold of a per-channel affine ``a * x + c`` after a quantized Conv (:meth:`_affine` reads
     it from the node that follows; here a BatchNormalization)."""
 
@@ -249,7 +249,7 @@ class _FoldBatchNorm(ReportingRule):
         return op.Conv(x, weight_value, bias_value, _name=conv.name, **dict(conv.attributes))
 
 
-class FoldBatchNormIntoConv(_FoldBatchNorm):
+class FoldBatchNormIntoConv(ConvAffineFold):
     """``Conv -> BatchNormalization`` ==> ``Conv`` with folded scales; see the module docstring."""
 
     def pattern(self, op, x, w):
@@ -257,7 +257,7 @@ class FoldBatchNormIntoConv(_FoldBatchNorm):
         return op.BatchNormalization(conv_out, _allow_other_inputs=True, _outputs=["bn_out"])
 
 
-class FoldBatchNormIntoConvThroughQDQ(_FoldBatchNorm):
+class FoldBatchNormIntoConvThroughQDQ(ConvAffineFold):
     """``Conv -> Q -> DQ -> BatchNormalization`` ==> ``Conv``; the Q/DQ in between disappears."""
 
     def pattern(self, op, x, w):

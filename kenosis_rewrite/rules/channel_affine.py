@@ -34,7 +34,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite.rules._reporting import NamingRule
 
-__all__ = ["channel_affine_rules"]
+__all__ = ["channel_affine_rules", "channel_vector"]
 
 _FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16)
 
@@ -56,7 +56,7 @@ def _owned_constant(value: ir.Value, owner: ir.Node) -> str | None:
     return None
 
 
-def _channel_vector(constant: np.ndarray, rank: int, axis: int, channels: int) -> np.ndarray | None:
+def channel_vector(constant: np.ndarray, rank: int, axis: int, channels: int) -> np.ndarray | None:
     """The constant as a vector along ``axis`` of a rank-``rank`` tensor, or None if it varies elsewhere."""
     if constant.ndim > rank:
         return None
@@ -111,24 +111,24 @@ class _AffineAfter(NamingRule):
         layout = self._layout(node)
         if isinstance(layout, str):
             return result.fail(layout)
-        vector = _channel_vector(values, *layout)
+        vector = channel_vector(values, *layout)
         if vector is None:
             return result.fail(f"the {self.affine} constant varies along a non-channel axis or broadcasts the output")
         if self.affine == "Div" and not np.all(vector != 0):
             return result.fail("division by a constant with a zero")
         if self.producer == "Gemm" and node.inputs[2:3] and node.inputs[2] is not None:
             bias = _constant(node.inputs[2])
-            if bias is not None and _channel_vector(bias, 2, 1, layout[2]) is None:
+            if bias is not None and channel_vector(bias, 2, 1, layout[2]) is None:
                 return result.fail("the Gemm bias varies along rows")
         return result
 
     def rewrite(self, op, x, constant, produced):
         node = produced.producer()
         rank, axis, channels = self._layout(node)
-        vector = _channel_vector(_constant(constant), rank, axis, channels)
+        vector = channel_vector(_constant(constant), rank, axis, channels)
         weights = node.inputs[1].const_value.numpy().astype(np.float64)
         bias_value = node.inputs[2] if len(node.inputs) > 2 else None
-        bias = np.zeros(channels) if bias_value is None else _channel_vector(_constant(bias_value), 1, 0, channels)
+        bias = np.zeros(channels) if bias_value is None else channel_vector(_constant(bias_value), 1, 0, channels)
         attributes = dict(node.attributes)
         if self.producer == "Gemm":
             bias = bias * attributes.pop("beta", ir.AttrFloat32("beta", 1.0)).as_float()
@@ -171,7 +171,7 @@ class _AffineBeforeConv(NamingRule):
                 return result.fail(reason)
         weights = _constant(conv.inputs[1])
         channels = weights.shape[1] * conv.attributes.get_int("group", 1)
-        vector = _channel_vector(_constant(constant), weights.ndim, 1, channels)
+        vector = channel_vector(_constant(constant), weights.ndim, 1, channels)
         if vector is None:
             return result.fail(f"the {self.affine} constant varies along a non-channel axis or broadcasts the input")
         # the constant must not be what gives the Conv's input its rank or channels (broadcasting)
@@ -194,7 +194,7 @@ class _AffineBeforeConv(NamingRule):
         weights = conv.inputs[1].const_value.numpy().astype(np.float64)
         group = conv.attributes.get_int("group", 1)
         per_group_in, out_channels = weights.shape[1], weights.shape[0]
-        vector = _channel_vector(_constant(constant), weights.ndim, 1, per_group_in * group)
+        vector = channel_vector(_constant(constant), weights.ndim, 1, per_group_in * group)
         # input channel g * per_group_in + i feeds output channels of group g through W[o, i]
         per_weight = vector.reshape(group, 1, per_group_in)
         per_weight = np.broadcast_to(per_weight, (group, out_channels // group, per_group_in)).reshape(out_channels, per_group_in)

@@ -44,8 +44,8 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from kenosis_rewrite import _qdq
 from kenosis_rewrite.report import FixReport
-from kenosis_rewrite.rules.batchnorm_folding import _FoldBatchNorm
-from kenosis_rewrite.rules.channel_affine import _channel_vector
+from kenosis_rewrite.rules.batchnorm_folding import ConvAffineFold
+from kenosis_rewrite.rules.channel_affine import channel_vector
 
 __all__ = ["AFFINE_OPS", "FoldAffineIntoConv", "FoldAffineIntoConvThroughQDQ", "conv_affine_rules", "conv_affine"]
 
@@ -70,7 +70,7 @@ def conv_affine(node: ir.Node, conv_output: ir.Value, channels: int, rank: int) 
     constant = _qdq.reshaped_constant(other)
     if constant is None or not np.issubdtype(constant.dtype, np.floating):
         return f"the {node.op_type}'s other operand is not a float constant"
-    vector = _channel_vector(constant, rank, 1, channels)
+    vector = channel_vector(constant, rank, 1, channels)
     if vector is None:
         return (f"the constant of shape {list(constant.shape)} varies along another axis than the output channels, "
                 "or broadcasts the Conv output to a larger shape")
@@ -83,7 +83,7 @@ def conv_affine(node: ir.Node, conv_output: ir.Value, channels: int, rank: int) 
     return np.ones(channels), (vector if node.op_type == "Add" else -vector)
 
 
-class FoldAffineIntoConv(_FoldBatchNorm):
+class FoldAffineIntoConv(ConvAffineFold):
     """``Conv -> Mul/Div/Add/Sub(., constant)`` ==> ``Conv`` with folded scales and bias; see the module docstring."""
 
     folded_suffix = "affine_folded"
