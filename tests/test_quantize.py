@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import onnx
+import onnx_ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -393,3 +394,34 @@ def test_gemm_with_a_row_bias_is_quantized():
     assert bias.op_type == "DequantizeLinear" and _testing.initializer(quantized, bias.input[0]).shape == (8,)
     assert any("bias [1, 8] read as [8]" in note for note in report.notes)
     assert report.fidelity["quantized"]["cosine"] > 0.999
+
+
+def test_weight_rounding_and_bias_correction_are_undone_where_they_move_the_output_away(monkeypatch):
+    """Both fit each layer on its own; where the output ends up further from the model as given on
+    the calibration feeds (ddddocr's YOLOX: error x4.4, held-out cosine 0.99235 with them and 0.99759
+    without), quantize() returns the model without them and says so."""
+    quantize_module = sys.modules["kenosis_rewrite.quantize"]
+    float_model = toy_models.build("conv_relu")
+    feeds = toy_models.random_feeds(float_model, 8)
+    kept, kept_report = quantize(float_model, feeds, return_report=True)
+    assert "bias-correction" in kept_report.change_counts() or "weight-rounding" in kept_report.change_counts()
+    assert not any("undone" in note for note in kept_report.notes)
+
+    real = quantize_module.correct_biases
+
+    def harmful(float_proto, model, calibration, report):
+        count = real(float_proto, model, calibration, report)
+        for node in model.graph:  # every int32 bias far off: the output moves away
+            if node.op_type == "DequantizeLinear" and node.inputs[0].const_value is not None \
+                    and node.inputs[0].const_value.dtype == onnx_ir.DataType.INT32:
+                array = node.inputs[0].const_value.numpy()
+                node.inputs[0].const_value = onnx_ir.tensor(array + 5000, name=node.inputs[0].name)
+        report.changed("bias-correction", "test", "made harmful", exact=False)
+        return count + 1
+
+    monkeypatch.setattr(quantize_module, "correct_biases", harmful)
+    undone, report = quantize(float_model, feeds, return_report=True)
+    assert any("weight rounding and bias correction undone" in note for note in report.notes), report.notes
+    assert not {"bias-correction", "weight-rounding"} & set(report.change_counts())
+    scores = fidelity.compare_to_float(float_model, {"kept": kept, "undone": undone}, feeds)
+    assert scores["undone"]["cosine"] > 0.99 and abs(scores["undone"]["cosine"] - scores["kept"]["cosine"]) < 0.01
