@@ -336,21 +336,17 @@ def _plain_runs(float_runs: fidelity.ReferenceRuns, qdq: onnx.ModelProto | None)
     return expected, None if qdq is None else fidelity.run(qdq, float_runs.feeds[:len(expected)], one_core=True)
 
 
-def _corrections_kept_if_closer(model: ir.Model, uncorrected: onnx.ModelProto, uncorrected_runs: list, expected: list,
-                                feeds: list, report: FixReport) -> ir.Model:
-    """``model`` (weight rounding and bias correction applied) unless its output error (``1 - cosine``
-    against the model as given, on ``feeds``) exceeds ``uncorrected``'s by more than
-    ``CORRECTION_ERROR_GROWTH`` times; then ``uncorrected``, their changes taken out of the report. Both fit each layer on its own to the calibration feeds; on a model whose layers'
-    errors do not add up independently they can move the output away, on those feeds too (PP-OCRv5's
-    recognizer: 0.971 without them, 0.948 with, min/max ranges)."""
-    before = fidelity.scores(expected, uncorrected_runs)["cosine"]
-    after = fidelity.scores(expected, fidelity.run(ir.serde.serialize_model(model), feeds))["cosine"]
-    if 1.0 - after <= CORRECTION_ERROR_GROWTH * (1.0 - before):
-        return model
-    report.changes[:] = [change for change in report.changes if change.rule not in (WEIGHT_ROUNDING, BIAS_CORRECTION)]
-    report.note(f"weight rounding and bias correction undone: on {len(feeds)} calibration feeds the output's cosine "
-                f"against the model as given was {before:.5f} without them and {after:.5f} with them")
-    return ir.serde.deserialize_model(uncorrected)
+def _corrections_grown_error(expected: list, runs: list, uncorrected_runs: list) -> tuple[float, float] | None:
+    """``(cosine without, cosine with)`` when weight rounding and bias correction grew the output
+    error (``1 - cosine`` against the model as given, on the first ``CORRECTION_CHECK_FEEDS`` feeds:
+    ``runs`` with them, ``uncorrected_runs`` without) more than ``CORRECTION_ERROR_GROWTH`` times,
+    else None. Both fit each layer on its own to the calibration feeds; on a model whose layers'
+    errors do not add up independently they can move the output away, on those feeds too
+    (PP-OCRv5's recognizer: 0.971 without them, 0.948 with, min/max ranges)."""
+    count = len(uncorrected_runs)
+    before = fidelity.scores(expected[:count], uncorrected_runs)["cosine"]
+    after = fidelity.scores(expected[:count], runs[:count])["cosine"]
+    return None if 1.0 - after <= CORRECTION_ERROR_GROWTH * (1.0 - before) else (before, after)
 
 
 def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
@@ -554,41 +550,54 @@ def quantize(
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph, quantized_nodes=quantized_nodes)(model)
-    if weight_rounding or bias_correction:
-        # what the corrections start from, run on the fidelity feeds on the core they leave idle
+    corrected = weight_rounding or bias_correction
+    if corrected:
+        # what the corrections start from, run on the check's feeds on the core they leave idle
         uncorrected = ir.serde.serialize_model(model)
-        check_feeds = float_runs.feeds[:CORRECTION_CHECK_FEEDS]
-        uncorrected_runs = fidelity.Background(functools.partial(fidelity.run, uncorrected, check_feeds, one_core=True))
+        uncorrected_runs = fidelity.Background(functools.partial(
+            fidelity.run, uncorrected, float_runs.feeds[:CORRECTION_CHECK_FEEDS], one_core=True))
     if weight_rounding:
         rounded = round_weights(proto, model, feeds, report, gathered=layer_inputs,
                                 factors=factors.result() if factors is not None else None)
         report.note(f"weight rounding: {rounded} layers")
     if bias_correction:
-        corrected = correct_biases(proto, model, feeds, report)
-        report.note(f"bias correction: {corrected} layers")
-    if weight_rounding or bias_correction:
-        expected = plain_runs.result()[0][:len(check_feeds)]
-        model = _corrections_kept_if_closer(model, uncorrected, uncorrected_runs.result(), expected, check_feeds, report)
-    if snr_threshold_db is not None or target_cosine is not None:
-        chosen, analysis, reasons = sensitivity.select_fp32_layers(
-            proto, model, feeds, threshold_db=snr_threshold_db, target_cosine=target_cosine
-        )
-        sensitivity.keep_fp32(model, chosen, report, reasons)
-        report.note(f"sensitivity: {len(chosen)} of {len(analysis)} layers kept in FP32")
-    CleanupPass()(model)
-    if optimize_for == "latency":
-        _latency_placement(model, report, feeds, latency_budget_s, 1)
-    # the weighted plan quantizes activations at run time: after everything that reads the QDQ form
-    lowered = chosen_plan == "weighted" and DynamicActivationsPass(report)(model).modified
-    if apply_rules(model, target, deferred, report) or lowered:
+        corrected_layers = correct_biases(proto, model, feeds, report)
+        report.note(f"bias correction: {corrected_layers} layers")
+
+    def finish(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto, list]:
+        """The steps after the corrections; the model, its proto and its outputs on the fidelity feeds."""
+        if snr_threshold_db is not None or target_cosine is not None:
+            chosen, analysis, reasons = sensitivity.select_fp32_layers(
+                proto, model, feeds, threshold_db=snr_threshold_db, target_cosine=target_cosine
+            )
+            sensitivity.keep_fp32(model, chosen, report, reasons)
+            report.note(f"sensitivity: {len(chosen)} of {len(analysis)} layers kept in FP32")
         CleanupPass()(model)
-    _unmark(model)
-    out = ir.serde.serialize_model(model)
-    out_bytes = out.SerializeToString()  # once for the checker and the session
-    onnx.checker.check_model(out_bytes, full_check=True)
+        if optimize_for == "latency":
+            _latency_placement(model, report, feeds, latency_budget_s, 1)
+        # the weighted plan quantizes activations at run time: after everything that reads the QDQ form
+        lowered = chosen_plan == "weighted" and DynamicActivationsPass(report)(model).modified
+        if apply_rules(model, target, deferred, report) or lowered:
+            CleanupPass()(model)
+        _unmark(model)
+        out = ir.serde.serialize_model(model)
+        out_bytes = out.SerializeToString()  # once for the checker and the session
+        onnx.checker.check_model(out_bytes, full_check=True)
+        return model, out, fidelity.run(out_bytes, float_runs.feeds[:FIDELITY_FEEDS])
+
     # against the model as given: canonicalization is part of what the user gets
     expected, plain = plain_runs.result()
+    marks = (len(report.changes), len(report.refusals), len(report.notes))
+    model, out, runs = finish(model)
+    grown = _corrections_grown_error(expected, runs, uncorrected_runs.result()) if corrected else None
+    if grown is not None:
+        # the steps after the corrections again, on the model without them (reported once)
+        del report.changes[marks[0]:], report.refusals[marks[1]:], report.notes[marks[2]:]
+        report.changes[:] = [change for change in report.changes if change.rule not in (WEIGHT_ROUNDING, BIAS_CORRECTION)]
+        report.note(f"weight rounding and bias correction undone: on {CORRECTION_CHECK_FEEDS} calibration feeds the "
+                    f"output's cosine against the model as given was {grown[0]:.5f} without them and {grown[1]:.5f} with them")
+        model, out, runs = finish(ir.serde.deserialize_model(uncorrected))
     report.fidelity = {} if plain is None else {"quantize_static": fidelity.scores(expected, plain)}
-    report.fidelity["quantized"] = fidelity.scores(expected, fidelity.run(out_bytes, float_runs.feeds[:len(expected)]))
+    report.fidelity["quantized"] = fidelity.scores(expected, runs)
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result
