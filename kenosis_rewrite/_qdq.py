@@ -308,8 +308,9 @@ def dequantize_array(data: np.ndarray, params: QuantParams) -> np.ndarray:
     return ((data.astype(np.float32) - zero_point) * scale).astype(np.float32)
 
 
-def constant_or_dequantized(value: ir.Value | None) -> np.ndarray | None:
-    """The value of a constant, or of a DequantizeLinear of constants (per-tensor or per-axis)."""
+def constant_or_dequantized(value: ir.Value | None, source=None) -> np.ndarray | None:
+    """The value of a constant, or of a DequantizeLinear of constants (per-tensor or per-axis).
+    ``source``: how to read the value behind a ``Q -> DQ`` pair (:func:`const_array` by default)."""
     array = const_array(value)
     if array is not None or value is None:
         return array
@@ -321,11 +322,11 @@ def constant_or_dequantized(value: ir.Value | None) -> np.ndarray | None:
         return None
     if data is None:  # a Constant node treated as an activation: DQ(Q(constant))
         quantize = producer.inputs[0].producer()
-        source = const_array(quantize.inputs[0]) if is_quantize(quantize) else None
-        q_params = quant_params(quantize) if source is not None else None
+        values = (source or const_array)(quantize.inputs[0]) if is_quantize(quantize) else None
+        q_params = quant_params(quantize) if values is not None else None
         if q_params is None or not q_params.same_as(params):
             return None
-        data = quantize_array(source, params)
+        data = quantize_array(values, params)
     return dequantize_array(data, params)
 
 
@@ -336,19 +337,11 @@ def reshaped_constant(value: ir.Value | None, depth: int = 4) -> np.ndarray | No
     """:func:`constant_or_dequantized`, also through Reshape/Unsqueeze/Squeeze/Flatten/Identity of
     constants (Paddle exports reshape each Conv bias at run time: ``Add(conv, Reshape(b, [1, -1, 1, 1]))``),
     and through the ``Q -> DQ`` quantize_static puts after such a Reshape (read as the model computes it)."""
-    array = constant_or_dequantized(value)
+    # DQ(Q(a reshaped constant)): quantize_static quantizes the Reshape's output as an activation
+    array = constant_or_dequantized(value, source=(lambda inner: reshaped_constant(inner, depth - 1)) if depth else None)
     if array is not None or value is None or depth == 0:
         return array
     node = value.producer()
-    if is_dequantize(node):  # DQ(Q(a reshaped constant)): quantize_static quantizes the Reshape's output
-        quantize = node.inputs[0].producer()
-        params = quant_params(node)
-        if not is_quantize(quantize) or params is None or params.block_size:
-            return None
-        source, q_params = reshaped_constant(quantize.inputs[0], depth - 1), quant_params(quantize)
-        if source is None or q_params is None or not q_params.same_as(params):
-            return None
-        return dequantize_array(quantize_array(source, params), params)
     if node is None or node.op_type not in _SHAPE_OPS or node.domain not in DEFAULT_DOMAINS or not node.inputs:
         return None
     data = reshaped_constant(node.inputs[0], depth - 1)

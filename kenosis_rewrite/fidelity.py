@@ -33,14 +33,17 @@ _NUMPY_OF_ONNX = {
 OTHER_DYNAMIC_SIZES = (320, 256, 640, 160, 96, 64, 32)
 
 
+def _is_static(dim: onnx.TensorShapeProto.Dimension) -> bool:
+    return dim.HasField("dim_value") and dim.dim_value > 0
+
+
 def concrete_shape(value: onnx.ValueInfoProto, size: int | None = None, known: Mapping[int, int] | None = None) -> list[int]:
     """Static dims kept; ``known`` dims (axis -> size) next; a dynamic batch (first) dim -> 1; other
     dynamic dims -> ``size``, by default 224 (images) or 128."""
     dims = value.type.tensor_type.shape.dim
     other = size if size is not None else (224 if len(dims) == 4 else 128)
     known = known or {}
-    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else known.get(i, 1 if i == 0 else other)
-            for i, d in enumerate(dims)]
+    return [d.dim_value if _is_static(d) else known.get(i, 1 if i == 0 else other) for i, d in enumerate(dims)]
 
 
 # ops that keep a tensor's last axis its last one and its values' layout (what feature size it needs
@@ -50,17 +53,18 @@ _KEEP_LAST_AXIS = frozenset({"Identity", "Cast", "QuantizeLinear", "DequantizeLi
 _READ_AS_FEATURES = frozenset({"Add", "Sub", "Mul", "Div"})
 
 
-def _weight_dims(graph: onnx.GraphProto, name: str, initializers: Mapping[str, onnx.TensorProto]) -> list[int] | None:
+def _weight_dims(name: str, initializers: Mapping[str, onnx.TensorProto],
+                 producers: Mapping[str, onnx.NodeProto]) -> list[int] | None:
     """The dims of constant ``name`` (an initializer, or a DequantizeLinear of one)."""
     if name in initializers:
         return list(initializers[name].dims)
-    producer = next((node for node in graph.node if name in node.output), None)
+    producer = producers.get(name)
     if producer is not None and producer.op_type == "DequantizeLinear" and producer.input[0] in initializers:
         return list(initializers[producer.input[0]].dims)
     return None
 
 
-def _needed_last_dim(graph: onnx.GraphProto, name: str, initializers: Mapping[str, onnx.TensorProto],
+def _needed_last_dim(name: str, initializers: Mapping[str, onnx.TensorProto], producers: Mapping[str, onnx.NodeProto],
                      readers: Mapping[str, list[onnx.NodeProto]], depth: int = 6) -> int | None:
     """The size the readers of ``name`` need its last axis to have: a MatMul's or Gemm's K, a
     recurrent layer's input size, a per-feature constant an elementwise op broadcasts against;
@@ -69,20 +73,20 @@ def _needed_last_dim(graph: onnx.GraphProto, name: str, initializers: Mapping[st
         index = list(node.input).index(name)
         other = [i for i in node.input if i and i != name]
         if node.op_type in ("MatMul", "Gemm") and index == 0 and other:
-            dims = _weight_dims(graph, node.input[1], initializers)
+            dims = _weight_dims(node.input[1], initializers, producers)
             trans_b = any(a.name == "transB" and a.i for a in node.attribute)
             if dims and len(dims) >= 2 and not any(a.name == "transA" and a.i for a in node.attribute):
                 return dims[-1] if trans_b else dims[-2]
         elif node.op_type in ("LSTM", "GRU", "RNN") and index == 0:
-            dims = _weight_dims(graph, node.input[1], initializers)
+            dims = _weight_dims(node.input[1], initializers, producers)
             if dims and len(dims) == 3:
                 return dims[2]
         elif node.op_type in _READ_AS_FEATURES and len(other) == 1:
-            dims = _weight_dims(graph, other[0], initializers)
+            dims = _weight_dims(other[0], initializers, producers)
             if dims and dims[-1] > 1:
                 return dims[-1]
         if node.op_type in _KEEP_LAST_AXIS and depth > 0 and node.output:
-            found = _needed_last_dim(graph, node.output[0], initializers, readers, depth - 1)
+            found = _needed_last_dim(node.output[0], initializers, producers, readers, depth - 1)
             if found is not None:
                 return found
     return None
@@ -94,6 +98,7 @@ def needed_dims(model: onnx.ModelProto) -> dict[str, dict[int, int]]:
     would not run (an LSTM with 162 inputs fed 128)."""
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
+    producers = {output: node for node in graph.node for output in node.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in dict.fromkeys(node.input):
@@ -103,16 +108,16 @@ def needed_dims(model: onnx.ModelProto) -> dict[str, dict[int, int]]:
         dims = value.type.tensor_type.shape.dim
         if value.name in initializers or len(dims) < 2:
             continue
-        dynamic = [i for i, d in enumerate(dims) if not (d.HasField("dim_value") and d.dim_value > 0)]
+        dynamic = [i for i, d in enumerate(dims) if not _is_static(d)]
         found: dict[int, int] = {}
         if len(dims) - 1 in dynamic:
-            size = _needed_last_dim(graph, value.name, initializers, readers)
+            size = _needed_last_dim(value.name, initializers, producers, readers)
             if size is not None:
                 found[len(dims) - 1] = size
         if 1 in dynamic and len(dims) >= 3:
             for node in readers.get(value.name, []):
                 if node.op_type == "Conv" and node.input[0] == value.name:
-                    weight = _weight_dims(graph, node.input[1], initializers)
+                    weight = _weight_dims(node.input[1], initializers, producers)
                     group = next((a.i for a in node.attribute if a.name == "group"), 1)
                     if weight and len(weight) == len(dims):
                         found[1] = weight[1] * group
@@ -125,8 +130,7 @@ def needed_dims(model: onnx.ModelProto) -> dict[str, dict[int, int]]:
 def has_dynamic_dims(model: onnx.ModelProto) -> bool:
     """Whether a graph input has a dynamic dim other than the batch (first) one."""
     initializers = {init.name for init in model.graph.initializer}
-    return any(not (d.HasField("dim_value") and d.dim_value > 0)
-               for value in model.graph.input if value.name not in initializers
+    return any(not _is_static(d) for value in model.graph.input if value.name not in initializers
                for d in list(value.type.tensor_type.shape.dim)[1:])
 
 

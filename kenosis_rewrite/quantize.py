@@ -47,35 +47,17 @@ from kenosis_rewrite import calibration as calib
 from kenosis_rewrite.bias_correction import RULE_NAME as BIAS_CORRECTION
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.ort_static import ranges_the_quantizer_sets
-from kenosis_rewrite.calibration.shared_scales import (
-    SAME_SCALE_OPS,
-    shared_concat_ranges,
-)
+from kenosis_rewrite.calibration.shared_scales import SAME_SCALE_OPS, shared_concat_ranges
 from kenosis_rewrite.canonical import prepare_serialized
 from kenosis_rewrite.equalization import ChannelMaxima, equalize
-from kenosis_rewrite.errors import (
-    ControlFlowError,
-    KenosisError,
-    ModelTooLargeError,
-    one_line,
-)
+from kenosis_rewrite.errors import ControlFlowError, KenosisError, ModelTooLargeError, one_line
 from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.passes.dynamic_activations import DynamicActivationsPass
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.passes.output_quantizers import RULE_NAME as OUTPUT_QUANTIZERS
-from kenosis_rewrite.pipeline import (
-    CleanupPass,
-    FixPass,
-    _latency_placement,
-    apply_rules,
-)
+from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
 from kenosis_rewrite.plan import WEIGHTED_OPS, WEIGHTED_PLANS, choose_plan, plan_options
-from kenosis_rewrite.protection import (
-    METADATA_RULE,
-    OutputProtectionPass,
-    protected_nodes,
-    unshare_protected_constants,
-)
+from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes, unshare_protected_constants
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
 from kenosis_rewrite.targets import get_target
