@@ -420,6 +420,8 @@ def quantize(
     """
     loaded = _io.load(float_model, require_qdq=False)
     _io.check_float(loaded.model, "quantize()")
+    if target_cosine is not None and not 0.0 < target_cosine <= 1.0:
+        raise KenosisError(f"target_cosine must be in (0, 1], got {target_cosine!r}")
     if loaded.large:
         raise ModelTooLargeError(
             "quantize() calibrates activations by running the whole model in ONNX Runtime and quantizes it "
@@ -549,11 +551,13 @@ def quantize(
     def finish(model: ir.Model) -> tuple[ir.Model, onnx.ModelProto, list]:
         """The steps after the corrections; the model, its proto and its outputs on the fidelity feeds."""
         if snr_threshold_db is not None or target_cosine is not None:
-            chosen, analysis, reasons = sensitivity.select_fp32_layers(
+            chosen, analysis, reasons, unreached = sensitivity.select_fp32_layers(
                 proto, model, feeds, threshold_db=snr_threshold_db, target_cosine=target_cosine
             )
             sensitivity.keep_fp32(model, chosen, report, reasons)
             report.note(f"sensitivity: {len(chosen)} of {len(analysis)} layers kept in FP32")
+            if unreached:
+                report.note(f"sensitivity: {unreached}")
         CleanupPass()(model)
         if optimize_for == "latency":
             _latency_placement(model, report, feeds, latency_budget_s, 1)

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kenosis_rewrite
 from kenosis_rewrite import _testing, fidelity, ort_quantize, protection, sensitivity, toy_models
-from kenosis_rewrite.errors import RuntimeMeasurementError
+from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.quantize import quantize
 
 
@@ -96,6 +96,32 @@ def test_fidelity_target_never_makes_things_worse():
     strict, strict_report = quantize(float_model, feeds, target_cosine=0.99999, return_report=True)
     assert strict_report.fidelity["quantized"]["cosine"] >= plain_report.fidelity["quantized"]["cosine"] - 1e-6
     assert "sensitivity:" in strict_report.summary()
+
+
+def test_an_unreachable_fidelity_target_keeps_the_better_of_none_or_all():
+    """A cosine of 1 no layer choice reaches (the activations stay rounded): the search would keep
+    every layer in FP32 whether or not that helps; it keeps none or all, whichever measured better
+    on the calibration feeds, and says the target was not reached."""
+    float_model = toy_models.build("conv_bn")
+    feeds = toy_models.random_feeds(float_model, 8)
+    plain, plain_report = quantize(float_model, feeds, return_report=True)
+    strict, strict_report = quantize(float_model, feeds, target_cosine=1.0, return_report=True)
+    notes = [note for note in strict_report.notes if "not reached" in note]
+    assert len(notes) == 1, strict_report.notes
+    kept = [c.where for c in strict_report.changes if c.rule == "keep-fp32-sensitive-layer"]
+    analysis = sensitivity.analyze(float_model, plain, feeds)
+    assert len(kept) in (0, len(analysis))
+    assert f"kept {len(kept)}" in notes[0] and f"with all {len(analysis)}," in notes[0]
+    # the better of the two, on the feeds the search measured
+    expected = fidelity.compare_to_float(float_model, {"plain": plain, "strict": strict}, feeds)
+    assert expected["strict"]["cosine"] >= expected["plain"]["cosine"] - 1e-6
+
+
+@pytest.mark.parametrize("target", [0.0, 1.5, -0.2])
+def test_a_fidelity_target_outside_0_1_is_refused(target):
+    float_model = toy_models.build("conv_bn")
+    with pytest.raises(KenosisError, match="target_cosine"):
+        quantize(float_model, toy_models.random_feeds(float_model, 2), target_cosine=target)
 
 
 def test_the_report_compares_with_quantize_static_only_when_asked():
