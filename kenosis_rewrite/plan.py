@@ -55,11 +55,21 @@ def attention_matmuls(model: onnx.ModelProto) -> list[str]:
             if node.op_type == "MatMul" and node.name and not any(i in constants for i in node.input[:2])]
 
 
+# ops an export puts between the attention Softmax and its MatMul (an inference-mode Dropout, a
+# Dropout written as Identity, a Cast back from float16) that leave the probabilities as they are
+_PASS_THROUGH = frozenset({"Identity", "Dropout", "Cast"})
+
+
 def _has_attention(model: onnx.ModelProto) -> bool:
-    """A Softmax whose output a MatMul multiplies by a computed tensor (``softmax(QK^T) V``)."""
+    """A Softmax whose output a MatMul multiplies by a computed tensor (``softmax(QK^T) V``), the
+    probabilities read directly or through :data:`_PASS_THROUGH` ops (PP-OCRv3's recognizer, as
+    exported: Softmax -> Identity -> MatMul)."""
     constants = _constants(model)
-    softmax_outputs = {node.output[0] for node in model.graph.node if node.op_type == "Softmax"}
-    return any(node.op_type == "MatMul" and node.input[0] in softmax_outputs and node.input[1] not in constants
+    probabilities = {node.output[0] for node in model.graph.node if node.op_type == "Softmax"}
+    for node in model.graph.node:  # topological order: a pass-through op follows what it reads
+        if node.op_type in _PASS_THROUGH and node.input and node.input[0] in probabilities:
+            probabilities.add(node.output[0])
+    return any(node.op_type == "MatMul" and node.input[0] in probabilities and node.input[1] not in constants
                for node in model.graph.node)
 
 

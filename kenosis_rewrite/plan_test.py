@@ -30,6 +30,29 @@ def test_auto_plan_is_weighted_for_attention_and_full_for_a_cnn(transformer):
         choose_plan(transformer, "everything")
 
 
+@pytest.mark.parametrize("between", ["Identity", "Dropout"])
+def test_auto_plan_sees_attention_through_an_exported_dropout(transformer, between):
+    """An export that keeps Dropout (or writes it as Identity) between Softmax and the PV MatMul,
+    as PP-OCRv3's recognizer does: still attention, with canonicalization or without."""
+    model = onnx.ModelProto()
+    model.CopyFrom(transformer)
+    nodes = list(model.graph.node)
+    softmaxes = [node for node in nodes if node.op_type == "Softmax"]
+    assert len(softmaxes) == 2
+    for softmax in softmaxes:  # every one: a single direct Softmax -> MatMul would do
+        reader = next(node for node in nodes if softmax.output[0] in node.input)
+        assert reader.op_type == "MatMul"
+        passed = softmax.output[0] + "_passed"
+        reader.input[list(reader.input).index(softmax.output[0])] = passed
+        nodes.insert(nodes.index(softmax) + 1, onnx.helper.make_node(between, [softmax.output[0]], [passed]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    assert choose_plan(model)[0] == "weighted"
+    # a Softmax read by a MatMul with a constant (a classifier head) is not attention
+    assert choose_plan(toy_models.build("resnetish"))[0] == "full"
+
+
 def _producer_types(model: onnx.ModelProto, node: onnx.NodeProto) -> list[str | None]:
     producers = {out: n.op_type for n in model.graph.node for out in n.output}
     return [producers.get(name) for name in node.input]
