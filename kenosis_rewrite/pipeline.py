@@ -123,6 +123,7 @@ class FixPass(ir.passes.InPlacePass):
         # bounds a saturating activation's quantizer puts on them (passes.output_quantizers)
         first = ([QuantizeWeightedOutputsPass(self.output_ranges, self.report)]
                  if self.output_ranges or target.facts.quantize_weighted_outputs else [])
+        first = self._enabled(first)
         pre_passes = target.pre_passes(self.report)
         # after the per-axis activation quantizers became per-tensor (NNCF's at depthwise inputs): a
         # saturating activation's quantizer bounds the output before it only as one grid
@@ -140,8 +141,10 @@ class FixPass(ir.passes.InPlacePass):
             ], steps=_MAX_REWRITE_ROUNDS, early_stop=True),
         )
         result = steps(model)
+        # the output quantizers put after a chain the folds then left: no integer kernel, one rounding more
+        undone = sum(step.undo_unfolded_chains(model) for step in first)
         CleanupPass()(model)
-        return ir.passes.PassResult(model, modified=result.modified)
+        return ir.passes.PassResult(model, modified=result.modified or bool(undone))
 
 
 def apply_rules(model: ir.Model, target: str, names: Iterable[str], report: FixReport | None = None) -> bool:

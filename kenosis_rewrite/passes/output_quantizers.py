@@ -381,6 +381,37 @@ class QuantizeWeightedOutputsPass(ReportingPass):
     def __init__(self, ranges: Mapping[str, tuple[float, float]], report=None):
         super().__init__(report)
         self.ranges = dict(ranges)
+        # the output quantizers inserted after a BatchNormalization/affine chain, for
+        # undo_unfolded_chains: (site, Q, DQ, the report's change)
+        self.after_chains: list[tuple[Site, ir.Node, ir.Node, object]] = []
+
+    def undo_unfolded_chains(self, model: ir.Model) -> int:
+        """Remove each output quantizer this pass put after a Conv's BatchNormalization/affine chain
+        that the fold rules then left in place (NNCF's PP-OCRv3 rec at opset 12: no per-channel
+        DequantizeLinear, and the per-tensor weight scale cannot hold the folded channels). ORT
+        fuses ``DQ -> Conv -> Q`` only with nothing but a Relu/Clip between: there the Conv stays
+        float and the quantizer is one rounding and two ops more per run (4.5% of that model's
+        time). Exact: the Q/DQ pair goes, which is the graph as it was before this pass.
+        Returns the number removed."""
+        removed = 0
+        for site, quantize, dequantize, change in self.after_chains:
+            if quantize.graph is not model.graph or dequantize.graph is not model.graph:
+                continue  # a rule replaced them: the pair is no longer this pass's
+            if _fused_producer(quantize.inputs[0]) or len(quantize.outputs[0].uses()) != 1 \
+                    or dequantize.inputs[0] is not quantize.outputs[0] or dequantize.outputs[0].is_graph_output():
+                continue
+            source = quantize.inputs[0]
+            for user, index in list(dequantize.outputs[0].uses()):
+                user.replace_input_with(index, source)
+            model.graph.remove([dequantize, quantize], safe=True)
+            if self.report is not None and change in self.report.changes:
+                self.report.changes.remove(change)
+            chain = source.producer().op_type if source.producer() is not None else "?"
+            self.refused(site.op.name or site.op.op_type,
+                         f"the {chain} between it and its output quantizer did not fold into it, so ORT would run "
+                         "it in float either way: quantizer removed")
+            removed += 1
+        return removed
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, modified = model.graph, False
@@ -419,4 +450,16 @@ class QuantizeWeightedOutputsPass(ReportingPass):
             user.replace_input_with(index, dequantize.outputs[0])
         self.changed(site.op.name or site.op.op_type, f"{site.kind} quantizer {like.dtype.name.lower()} s={float(scale):.6g} "
                      f"zp={zero_point} over [{lo:.4g}, {hi:.4g}], {source}", exact=False)
+        if site.kind == "output" and site.value is not site.op.outputs[0]:
+            self.after_chains.append((site, quantize, dequantize, self.report.changes[-1] if self.report is not None else None))
         return True
+
+
+def _fused_producer(value: ir.Value) -> bool:
+    """Whether ``value`` comes from a weighted op directly or through Relu/Clip each read once: what
+    ORT fuses with the Q after it."""
+    node = value.producer()
+    while node is not None and node.op_type in _PASSING_ACTIVATIONS and node.domain in _qdq.DEFAULT_DOMAINS \
+            and node.inputs[0] is not None and len(node.inputs[0].uses()) == 1:
+        node = node.inputs[0].producer()
+    return node is not None and node.op_type in _qdq.WEIGHTED_OPS and node.domain in _qdq.DEFAULT_DOMAINS

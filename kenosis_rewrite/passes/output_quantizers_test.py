@@ -336,3 +336,31 @@ def test_bounds_through_an_increasing_affine_after_the_hardswish_are_exact_in_sa
         np.testing.assert_array_equal(codes(x)[beyond], codes(np.clip(x, a, b))[beyond])
         checked += 1
     assert checked > 100
+
+
+# opset 12 (no per-channel DequantizeLinear) and one weight scale: the BatchNormalization's channel
+# scales (0.5 to 2.8) cannot fold into it, so the Conv cannot get the Q right after it
+UNFOLDABLE = MODEL.replace('"" : 17', '"" : 12').replace("float[3] ws = {0.01, 0.02, 0.015}", "float ws = {0.015}") \
+    .replace("int8[3] wz = {0, 0, 0}", "int8 wz = {0}").replace("DequantizeLinear <axis: int = 0> (wq, ws, wz)",
+                                                                 "DequantizeLinear(wq, ws, wz)") \
+    .replace("h = HardSwish(n)", "h = HardSigmoid(n)")
+
+
+def test_a_quantizer_after_a_batchnorm_that_does_not_fold_is_removed_again():
+    """NNCF's PP-OCRv3 rec at opset 12: the quantizer put after the BN for the fold to follow is one
+    rounding and two ops more when the fold refuses (the Conv stays float): removed, and the graph
+    is the input's."""
+    proto = onnx.parser.parse_model(UNFOLDABLE % ", ".join(str(int(v)) for v in np.random.default_rng(0).integers(-127, 128, 54)))
+    onnx.checker.check_model(proto, full_check=True)
+    fixed, report = kenosis_rewrite.fix(proto, calibration=_feeds(), return_report=True, verify=False)
+    assert RULE_NAME not in report.change_counts(), report.summary()
+    assert "fold-batchnorm-into-conv" not in report.change_counts()
+    assert any(r.rule == RULE_NAME and "did not fold" in r.reason for r in report.refusals), report.summary()
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "n" for n in fixed.graph.node)
+    assert [n.op_type for n in fixed.graph.node] == [n.op_type for n in proto.graph.node]
+    for feed in _feeds():
+        assert np.array_equal(_testing.outputs(proto, feed)[0], _testing.outputs(fixed, feed)[0])
+    # what the pass inserts before the folds run, without the pipeline: the quantizer after the BN
+    model = ir.serde.deserialize_model(proto)
+    QuantizeWeightedOutputsPass(measure_output_ranges(proto, _feeds()), FixReport())(model)
+    assert any(n.op_type == "QuantizeLinear" and n.inputs[0].name == "n" for n in model.graph)
