@@ -35,6 +35,7 @@ from onnxscript.rewriter import RewriteRule
 from kenosis_rewrite.errors import UnsupportedTargetError
 from kenosis_rewrite.passes.activation_hoist import ActivationBeforeDataMovementPass
 from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
+from kenosis_rewrite.passes.requantize_after_movement import RequantizeAfterDataMovementPass
 from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.passes.constant_quantize import FoldConstantQuantizePass
 from kenosis_rewrite.passes.contrib_qdq import ContribQDQToStandardPass
@@ -111,7 +112,7 @@ def _ort_post(report: Report) -> list:
         PassThroughQParamsPass(report),
         # MaxPool/Concat outputs left float (NNCF's SPPF) would keep the Conv they feed float
         DequantizeForwardPass(report, ops=frozenset({"MaxPool", "Concat"}), float_consumers_only=True),
-        BiasRescalePass(report), ActivationBeforeDataMovementPass(report),
+        BiasRescalePass(report), ActivationBeforeDataMovementPass(report), RequantizeAfterDataMovementPass(report),
     ]
 
 
@@ -163,7 +164,7 @@ TARGETS: dict[str, Target] = {
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
         post_passes=lambda report: [
             DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
-            DequantizeBiasPass(report), ActivationBeforeDataMovementPass(report),
+            DequantizeBiasPass(report), ActivationBeforeDataMovementPass(report), RequantizeAfterDataMovementPass(report),
         ],
     ),
     "npu": Target(

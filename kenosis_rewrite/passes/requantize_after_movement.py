@@ -1,0 +1,90 @@
+"""Give an int8 tensor that data movement carries to a float reader its own Q/DQ, as ORT would.
+
+Transformation, for a chain of the data-movement ops ONNX Runtime propagates Q/DQ through (MaxPool,
+Reshape, Transpose, Squeeze, Unsqueeze, Slice: its ``CanNodePropagate``), each reading the last
+one's output alone, after a per-tensor int8 DequantizeLinear of an activation::
+
+    DQ(s, z) -> P1 -> ... -> Pn -> float readers
+        ==>  DQ(s, z) -> P1 -> ... -> Pn -> Q(s, z) -> DQ(s, z) -> float readers
+
+Exactness: exact. The ops only place, select or take maxima of their input's values, so every value
+after them is one of ``s * (q - z)`` with ``q`` an int8 code, which Q(s, z) maps back to ``q`` and
+DQ(s, z) to the same value.
+
+Why: ONNX Runtime on x86 (1.32, opset 21) inserts this pair itself (QDQ propagation), writing the
+new Q's ``output_dtype = INT8``; its int8-to-uint8 transformer then retypes the pair's zero point to
+uint8 and leaves ``output_dtype``, and the session fails ("output_dtype INT8 does not match
+y_zero_point type UINT8"). The targets that keep int8 activations (ort-cpu-arm, tensorrt, npu) write
+such chains when they retype quantize_static's uint8 activations (fuzz seed 9440032, npu: a
+Concat's DQ -> Reshape -> Transpose -> float op); with the pair already there ORT inserts none, and
+runs the chain on int8 data. :mod:`kenosis_rewrite.passes.activation_hoist` handles the chains that
+end in a Relu/Clip before a Q, whose clamp the Q then applies.
+
+Left alone: opsets before 21 (their Q has no ``output_dtype`` to go stale), uint8 and per-axis
+DQs, DQs of constants, chains whose end is a graph output or is read only by Qs.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kenosis_rewrite import _qdq
+from kenosis_rewrite.passes._base import ReportingPass
+
+RULE_NAME = "requantize-after-data-movement"
+# onnxruntime/core/optimizer/qdq_transformer/qdq_propagation.cc, CanNodePropagate (1.32)
+PROPAGATING_OPS = frozenset({"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"})
+_OUTPUT_DTYPE_OPSET = 21  # QuantizeLinear-21 has output_dtype
+
+
+def _chain_end(value: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
+    """The last output of the chain of propagating ops that reads ``value`` alone, and the chain."""
+    chain: list[ir.Node] = []
+    while not value.is_graph_output():
+        uses = list(value.uses())
+        if len(uses) != 1:
+            break
+        user, index = uses[0]
+        if user.op_type not in PROPAGATING_OPS or user.domain not in _qdq.DEFAULT_DOMAINS or index != 0:
+            break
+        chain.append(user)
+        value = user.outputs[0]
+    return value, chain
+
+
+class RequantizeAfterDataMovementPass(ReportingPass):
+    """``DQ(int8) -> P... -> float`` ==> ``DQ(int8) -> P... -> Q -> DQ -> float``; see the module docstring."""
+
+    rule_name = RULE_NAME
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, modified = model.graph, False
+        if _qdq.default_opset(graph) < _OUTPUT_DTYPE_OPSET:
+            return ir.passes.PassResult(model, modified=False)
+        names = _qdq.NameAllocator(graph)
+        for dequantize in [node for node in graph if _qdq.is_dequantize(node)]:
+            params = _qdq.quant_params(dequantize)
+            if (params is None or params.dtype != ir.DataType.INT8 or not params.is_per_tensor
+                    or _qdq.const_array(dequantize.inputs[0]) is not None):
+                continue
+            end, chain = _chain_end(dequantize.outputs[0])
+            floats = [(user, index) for user, index in end.uses() if not _qdq.is_quantize(user)]
+            if not chain or not floats or end.is_graph_output():
+                continue
+            quantize = ir.Node("", _qdq.QUANTIZE, [end, dequantize.inputs[1], dequantize.inputs[2]],
+                               name=names.fresh(f"{end.name}_QuantizeLinear"))
+            requantized = ir.Node("", _qdq.DEQUANTIZE, [quantize.outputs[0], dequantize.inputs[1], dequantize.inputs[2]],
+                                  name=names.fresh(f"{end.name}_DequantizeLinear"))
+            quantize.outputs[0].name = names.fresh(f"{end.name}_requantized")
+            requantized.outputs[0].name = names.fresh(f"{end.name}_dequantized")
+            quantize.outputs[0].dtype = ir.DataType.INT8
+            if end.type is not None:
+                requantized.outputs[0].type, requantized.outputs[0].shape = end.type, end.shape
+            graph.insert_after(chain[-1], [quantize, requantized])
+            for user, index in floats:
+                user.replace_input_with(index, requantized.outputs[0])
+            self.changed(chain[-1].name or chain[-1].op_type,
+                         f"int8 Q/DQ after {' -> '.join(node.op_type for node in chain)} (the grid of "
+                         f"{dequantize.name or 'its DequantizeLinear'}), before its float readers", exact=True)
+            modified = True
+        return ir.passes.PassResult(model, modified=modified)
