@@ -32,7 +32,7 @@ import onnx
 
 from kenosis_rewrite.errors import KenosisError
 
-__all__ = ["PLANS", "WEIGHTED_PLANS", "choose_plan", "plan_options", "attention_matmuls"]
+__all__ = ["PLANS", "WEIGHTED_PLANS", "choose_plan", "has_attention", "plan_options", "attention_matmuls"]
 
 PLANS = ("auto", "full", "weighted", "weighted-static")
 WEIGHTED_PLANS = ("weighted", "weighted-static")
@@ -60,7 +60,7 @@ def attention_matmuls(model: onnx.ModelProto) -> list[str]:
 _PASS_THROUGH = frozenset({"Identity", "Dropout", "Cast"})
 
 
-def _has_attention(model: onnx.ModelProto) -> bool:
+def has_attention(model: onnx.ModelProto) -> bool:
     """A Softmax whose output a MatMul multiplies by a computed tensor (``softmax(QK^T) V``), the
     probabilities read directly or through :data:`_PASS_THROUGH` ops (PP-OCRv3's recognizer, as
     exported: Softmax -> Identity -> MatMul)."""
@@ -79,7 +79,7 @@ def choose_plan(model: onnx.ModelProto, plan: str = "auto") -> tuple[str, str]:
         raise KenosisError(f"unknown plan {plan!r}; choose one of {', '.join(PLANS)}")
     if plan != "auto":
         return plan, "asked for"
-    if _has_attention(model):
+    if has_attention(model):
         return "weighted", "attention (Softmax -> MatMul of two computed tensors) found: transformer"
     return "full", "no attention found"
 

@@ -53,6 +53,21 @@ def test_auto_plan_sees_attention_through_an_exported_dropout(transformer, betwe
     assert choose_plan(toy_models.build("resnetish"))[0] == "full"
 
 
+def test_a_graph_with_attention_gets_min_max_ranges_under_the_full_plan_too(transformer):
+    """The range default follows the graph, not the plan: min/max wherever there is attention
+    (measured better on the ViT and the PP-OCR recognizers with every op quantized)."""
+    feeds = _feeds(8, 3)
+    chosen, report = quantize(transformer, feeds, plan="full", return_report=True)
+    assert "calibration method: minmax (attention found)" in report.notes
+    asked = quantize(transformer, feeds, plan="full", calibration_method="minmax")
+    assert chosen.SerializeToString() == asked.SerializeToString()
+    percentile = quantize(transformer, feeds, plan="full", calibration_method="percentile")
+    assert chosen.SerializeToString() != percentile.SerializeToString()
+    cnn = toy_models.build("resnetish")
+    _, cnn_report = quantize(cnn, toy_models.random_feeds(cnn, 8), return_report=True)
+    assert "calibration method: percentile (the full plan's default)" in cnn_report.notes
+
+
 def _producer_types(model: onnx.ModelProto, node: onnx.NodeProto) -> list[str | None]:
     producers = {out: n.op_type for n in model.graph.node for out in n.output}
     return [producers.get(name) for name in node.input]
