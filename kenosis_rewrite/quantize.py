@@ -432,8 +432,7 @@ def quantize(
     """
     loaded = _io.load(float_model, require_qdq=False)
     _io.check_float(loaded.model, "quantize()")
-    if target_cosine is not None and not 0.0 < target_cosine <= 1.0:
-        raise KenosisError(f"target_cosine must be in (0, 1], got {target_cosine!r}")
+    sensitivity.check_target_cosine(target_cosine)  # before the work, not after it
     if loaded.large:
         raise ModelTooLargeError(
             "quantize() calibrates activations by running the whole model in ONNX Runtime and quantizes it "

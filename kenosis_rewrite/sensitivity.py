@@ -192,6 +192,12 @@ def _cosine(reference: list[list[np.ndarray]], proto: onnx.ModelProto, feeds) ->
     return fidelity.scores(reference, outputs)["cosine"]
 
 
+def check_target_cosine(target_cosine: float | None) -> None:
+    """Raise KenosisError unless ``target_cosine`` is None or in (0, 1]."""
+    if target_cosine is not None and not 0.0 < target_cosine <= 1.0:
+        raise KenosisError(f"target_cosine must be in (0, 1], got {target_cosine!r}")
+
+
 def select_fp32_layers(
     float_model: _io.ModelLike,
     quantized: ir.Model,
@@ -208,8 +214,7 @@ def select_fp32_layers(
     with the higher cosine, and the note says so: keeping them all made PP-OCRv5's recognizer
     slower and less faithful (0.9786 -> 0.9713 on its calibration feeds).
     """
-    if target_cosine is not None and not 0.0 < target_cosine <= 1.0:
-        raise KenosisError(f"target_cosine must be in (0, 1], got {target_cosine!r}")
+    check_target_cosine(target_cosine)
     analysis = analyze(float_model, quantized, feeds)
     ranked = sorted(analysis, key=lambda layer: layer.score_db)
     reasons = {
