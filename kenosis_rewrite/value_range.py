@@ -33,7 +33,7 @@ from kenosis_rewrite import _qdq
 __all__ = [
     "PASS_THROUGH_OPS", "Interval", "activation_bounds", "bounds", "can_be_negative", "quantizer_range",
     "quantizer_clamp", "implied_clamp", "is_pass_through", "absorbed_by_quantizer", "DELETED_ACTIVATION_KEY",
-    "mark_deleted_activation",
+    "mark_deleted_activation", "round_range_bounds",
 ]
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -313,6 +313,10 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
     * The Q carries ``DELETED_ACTIVATION_KEY`` (:func:`mark_deleted_activation`): whoever ran
       quantize_static knows it deleted an activation there, e.g. a ``Clip(-1, 1)``, whose range
       the graph alone cannot tell from a calibrated one. Every side the Q clamps.
+    * The Q's grid is exactly the one quantize_static computes for a range whose bounds are both
+      multiples of 1/2, one below 0 (:func:`round_range_bounds`): a ``Clip(-1, 1)`` (Hardtanh) it
+      deleted, in a model whose quantizer left no mark. Calibrated data does not end on such bounds
+      (a saturated Tanh does, and its Q clamps nothing it can reach). Every side the Q clamps.
 
     None when none holds: the Q's clamps are then only its calibrated range (of an unbounded
     tensor, or of a bounded activation such as Sigmoid whose calibrated top is below 1), and
@@ -324,7 +328,7 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
         return None
     if params.scalar_zero_point == params.qmin and clamp[0] is not None:
         return 0.0, quantizer_range(params).hi
-    if DELETED_ACTIVATION_KEY in quantize.metadata_props:
+    if DELETED_ACTIVATION_KEY in quantize.metadata_props or round_range_bounds(params) is not None:
         return clamp
     source = _quantized_source_range(quantize.inputs[0])
     cut = quantizer_clamp(quantize, source)
@@ -333,6 +337,40 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
     lo = cut[0] if math.isfinite(source.lo) else None
     hi = cut[1] if math.isfinite(source.hi) else None
     return None if lo is None and hi is None else (lo, hi)
+
+
+# a range bound is "round" when it is a multiple of this, to float32 precision
+_ROUND_STEP = 0.5
+
+
+def _is_round(value: float) -> bool:
+    steps = value / _ROUND_STEP
+    return abs(steps - round(steps)) <= 1e-5 * max(1.0, abs(steps))
+
+
+def round_range_bounds(params: _qdq.QuantParams) -> tuple[float, float] | None:
+    """``(lo, hi)``, both multiples of 1/2 with ``lo < 0 < hi``, when the per-tensor 8-bit grid of
+    ``params`` is exactly what quantize_static computes for the range ``[lo, hi]`` (asymmetric:
+    ``s = (hi - lo) / (qmax - qmin)``, ``z = rint(qmin - lo / s)``; symmetric ranges are the case
+    ``hi = -lo`` of the same formula), else None."""
+    if not params.is_per_tensor or params.qmax - params.qmin > 255:
+        return None
+    scale, zero_point = float(np.float32(params.scalar_scale)), int(params.scalar_zero_point)
+    if not scale > 0:
+        return None
+    width = scale * (params.qmax - params.qmin)
+    lo = round((params.qmin - zero_point) * scale / _ROUND_STEP) * _ROUND_STEP
+    hi = lo + width
+    if not (lo < 0 < hi and _is_round(hi)):
+        return None
+    hi = round(hi / _ROUND_STEP) * _ROUND_STEP
+    exact_scale = (hi - lo) / (params.qmax - params.qmin)
+    # the zero point within one code: onnxruntime versions round lo / s in float32 or float64,
+    # where a range like [-1, 1] puts it at a half
+    expected_zero = params.qmin - lo / exact_scale
+    if np.float32(exact_scale) != np.float32(scale) or abs(zero_point - expected_zero) > 1.0:
+        return None
+    return float(lo), float(hi)
 
 
 def mark_deleted_activation(quantize: ir.Node, op_type: str) -> None:

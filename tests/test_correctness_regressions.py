@@ -152,6 +152,43 @@ def test_quantize_keeps_a_clip_with_a_negative_bound_that_quantize_static_delete
     assert ours > 0.99
 
 
+def test_fix_keeps_a_deleted_clip_whose_quantizer_has_round_bounds():
+    """Fuzz seed 9470334: fix() of quantize_static's output (no mark: fix() did not quantize it) folded
+    the BN through the Q that stands for the deleted Clip(-1, 1) and dropped the clamp (cosine 0.99988
+    -> 0.98846 with the guard off). The Q's grid is exactly that of the range [-1, 1], which calibrated
+    data does not end on: the clamp is kept."""
+    model, feeds = _conv_clip_batchnorm_conv()
+    for activation_type in (QuantType.QInt8, QuantType.QUInt8):
+        qdq = _quantize_static(model, feeds[:4], activation_type=activation_type, weight_type=QuantType.QInt8,
+                               per_channel=False)
+        clip_q = next(node for node in ir.serde.deserialize_model(qdq).graph
+                      if _qdq.is_quantize(node) and node.inputs[0].name == "clipped")
+        assert value_range.round_range_bounds(_qdq.quant_params(clip_q)) == (-1.0, 1.0)
+        assert value_range.implied_clamp(clip_q) is not None
+        for target in ("ort-cpu", "ort-cpu-arm"):
+            fixed, report = kenosis_rewrite.fix(qdq, target=target, verify=False, return_report=True)
+            assert not report.change_counts().get("fold-batchnorm-into-conv"), (activation_type, target)
+            reference = _testing.outputs(model, feeds[4])[0]
+            assert _cos(reference, _testing.outputs(fixed, feeds[4])[0]) >= _cos(reference, _testing.outputs(qdq, feeds[4])[0]) - 0.002
+
+
+def test_round_range_bounds_are_read_only_from_grids_of_round_ranges():
+    """Calibrated ranges (ends off the multiples of 1/2) and one-sided ones (a deleted Relu or Clip(0,
+    M): the zero point at qmin says so already) give none; grids of round two-sided ranges do, with
+    the zero point as either rounding of a half puts it."""
+    def params(scale, zero_point, dtype):
+        return _qdq.QuantParams(np.array(scale, np.float32), np.array(zero_point), dtype, 1, 0)
+
+    for scale, zero_point, dtype in ((0.0263, 3, ir.DataType.INT8), (6.0 / 255, -128, ir.DataType.INT8),
+                                     (0.01234, 0, ir.DataType.INT8), (2.0 / 255, 100, ir.DataType.UINT8)):
+        assert value_range.round_range_bounds(params(scale, zero_point, dtype)) is None, (scale, zero_point)
+    for scale, zero_point, dtype, bounds in ((2.0 / 255, 0, ir.DataType.INT8, (-1.0, 1.0)),
+                                             (2.0 / 255, 127, ir.DataType.UINT8, (-1.0, 1.0)),
+                                             (2.0 / 255, 128, ir.DataType.UINT8, (-1.0, 1.0)),
+                                             (8.0 / 255, -64, ir.DataType.INT8, (-2.0, 6.0))):
+        assert value_range.round_range_bounds(params(scale, zero_point, dtype)) == bounds, (scale, zero_point)
+
+
 def test_output_protection_restores_the_clip_quantize_static_removed():
     """repro/quantize_protect_outputs_clip.py: MatMul -> Clip(-1, 1) as the graph output."""
     rng = np.random.default_rng(0)
@@ -372,7 +409,8 @@ def test_implied_clamp_reads_deleted_activations_only():
 # one per defect: non-idempotent Q-backward moves, ORT refusing npu outputs (stale output_dtype,
 # QDQ propagation after DQ -> Reshape), symmetric conversion dropping a clamp, com.microsoft Q/DQ,
 # a restored clamp blocking a fusion until a second run.
-FUZZ_SEEDS = [1, 5058, 5094, 20020, 20036, 20037, 20043, 20096, 20288, 20354, 150, 253, 269, 291, 297]
+FUZZ_SEEDS = [1, 5058, 5094, 20020, 20036, 20037, 20043, 20096, 20288, 20354, 150, 253, 269, 291, 297,
+              9440032, 9470334]
 
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
