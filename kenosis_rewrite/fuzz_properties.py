@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -182,6 +183,8 @@ def _check_numbers(case: CaseResult, ref: _Reference, result: TargetResult, outp
         case.fail("exactness_break", result.target, f"every change says exact=True but max abs diff {result.max_abs_diff:.4g}", exact_rules, result.max_abs_diff)
     result.cos_fixed = min_cosine(ref.fp32_outputs, outputs)
     result.drop = ref.cos_qdq - result.cos_fixed
+    if math.isnan(ref.cos_qdq):
+        return  # the input QDQ model's own outputs are not finite: no fidelity to keep (exactness is checked above)
     floor = cosine_floor(ref.cos_qdq, set(result.changes), FIDELITY_TOLERANCE)
     if not result.cos_fixed >= floor:  # NaN counts as a drop
         message = f"cosine vs FP32 {ref.cos_qdq:.5f} (input QDQ) -> {result.cos_fixed:.5f} (fixed; floor {floor:.5f})"

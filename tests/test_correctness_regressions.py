@@ -410,7 +410,7 @@ def test_implied_clamp_reads_deleted_activations_only():
 # QDQ propagation after DQ -> Reshape), symmetric conversion dropping a clamp, com.microsoft Q/DQ,
 # a restored clamp blocking a fusion until a second run.
 FUZZ_SEEDS = [1, 5058, 5094, 20020, 20036, 20037, 20043, 20096, 20288, 20354, 150, 253, 269, 291, 297,
-              9440032, 9470334]
+              9440032, 9470334, 9480282]
 
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
