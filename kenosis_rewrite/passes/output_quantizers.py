@@ -59,7 +59,7 @@ import onnx_ir as ir
 from kenosis_rewrite import _qdq, fidelity
 from kenosis_rewrite.passes._base import ReportingPass
 from kenosis_rewrite.passes.qdq_propagation import commutes_with_qdq
-from kenosis_rewrite.rules.conv_affine_folding import AFFINE_OPS, conv_affine
+from kenosis_rewrite.rules.conv_affine_folding import conv_affine
 
 RULE_NAME = "quantize-weighted-outputs"
 _PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
@@ -250,31 +250,26 @@ def activation_bounds(kind: str, alpha: float, beta: float, lo: float, hi: float
     return (max(lo, 0.0) - beta) / alpha, (min(hi, 1.0) - beta) / alpha
 
 
+# a scalar constant is a one-channel vector of a tensor of any rank up to this
+_SCALAR_RANK = 8
+
+
 def _scalar_affine_after(value: ir.Value) -> tuple[ir.Value, float, float]:
     """``(end, a, b)``: ``end = a * value + b`` at the end of the chain of Mul/Div by positive scalar
     constants and Add/Sub of scalar constants that alone reads ``value`` (Paddle's learnable affine
-    after an activation); ``(value, 1, 0)`` without one. ``a > 0``: the chain is increasing."""
+    after an activation); ``(value, 1, 0)`` without one. ``a > 0``: the chain is increasing. Each
+    step is read as the Conv affine fold reads one (:func:`conv_affine`), with one channel."""
     a, b = 1.0, 0.0
     while not value.is_graph_output():
         uses = list(value.uses())
         if len(uses) != 1:
             break
-        node, index = uses[0]
-        if node.op_type not in AFFINE_OPS or node.domain not in _qdq.DEFAULT_DOMAINS or len(node.inputs) != 2 \
-                or (index == 1 and node.op_type in ("Sub", "Div")) or node.inputs[0] is node.inputs[1]:
+        node = uses[0][0]
+        step = conv_affine(node, value, 1, _SCALAR_RANK)
+        if isinstance(step, str) or not step[0][0] > 0:
             break
-        constant = _qdq.reshaped_constant(node.inputs[1 - index])
-        if constant is None or constant.size != 1 or not np.issubdtype(constant.dtype, np.floating):
-            break
-        t = float(constant.reshape(-1)[0])
-        if node.op_type in ("Mul", "Div") and not t > 0:
-            break
-        if node.op_type == "Mul":
-            a, b = a * t, b * t
-        elif node.op_type == "Div":
-            a, b = a / t, b / t
-        else:
-            b = b + t if node.op_type == "Add" else b - t
+        scale, shift = float(step[0][0]), float(step[1][0])
+        a, b = a * scale, b * scale + shift
         value = node.outputs[0]
     return value, a, b
 
