@@ -239,15 +239,16 @@ def select_fp32_layers(
 
         low, high = 0, len(ranked)
         if cosine_with(0) < target_cosine:
-            if cosine_with(high) < target_cosine:
-                low = high = max(measured, key=lambda count: (measured[count], -count))
+            if cosine_with(high) < target_cosine:  # unreachable: the better of none and all
+                low = max(measured, key=lambda count: (measured[count], -count))
                 note = (f"target cosine {target_cosine:g} not reached by keeping layers in FP32: "
-                        f"{measured[len(ranked)]:.5f} with all {len(ranked)}, {measured[0]:.5f} with none; kept {low}")
-            while low < high:  # smallest count reaching the target (cosine grows with the count)
-                middle = (low + high) // 2
-                if cosine_with(middle) >= target_cosine:
-                    high = middle
-                else:
-                    low = middle + 1
+                        f"{measured[high]:.5f} with all {high}, {measured[0]:.5f} with none; kept {low}")
+            else:
+                while low < high:  # smallest count reaching the target (cosine grows with the count)
+                    middle = (low + high) // 2
+                    if cosine_with(middle) >= target_cosine:
+                        high = middle
+                    else:
+                        low = middle + 1
             chosen = sorted(set(chosen) | {layer.name for layer in ranked[:low]}, key=[l.name for l in ranked].index)
     return chosen, analysis, reasons, note

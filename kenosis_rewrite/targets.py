@@ -35,7 +35,6 @@ from onnxscript.rewriter import RewriteRule
 from kenosis_rewrite.errors import UnsupportedTargetError
 from kenosis_rewrite.passes.activation_hoist import ActivationBeforeDataMovementPass
 from kenosis_rewrite.passes.activation_u8 import ActivationInt8ToUint8Pass
-from kenosis_rewrite.passes.requantize_after_movement import RequantizeAfterDataMovementPass
 from kenosis_rewrite.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.passes.constant_quantize import FoldConstantQuantizePass
 from kenosis_rewrite.passes.contrib_qdq import ContribQDQToStandardPass
@@ -44,6 +43,7 @@ from kenosis_rewrite.passes.activation_scale_folding import FoldPerChannelActiva
 from kenosis_rewrite.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.passes.qdq_propagation import DequantizeAfterSplitPass, DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
+from kenosis_rewrite.passes.requantize_after_movement import RequantizeAfterDataMovementPass
 from kenosis_rewrite.passes.shape_arithmetic import FloatShapeArithmeticPass
 from kenosis_rewrite.passes.symmetric_int8 import SymmetricActivationsPass
 from kenosis_rewrite.report import FixReport

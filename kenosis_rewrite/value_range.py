@@ -339,13 +339,8 @@ def implied_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None
     return None if lo is None and hi is None else (lo, hi)
 
 
-# a range bound is "round" when it is a multiple of this, to float32 precision
+# a range bound is "round" when it is a multiple of this
 _ROUND_STEP = 0.5
-
-
-def _is_round(value: float) -> bool:
-    steps = value / _ROUND_STEP
-    return abs(steps - round(steps)) <= 1e-5 * max(1.0, abs(steps))
 
 
 def round_range_bounds(params: _qdq.QuantParams) -> tuple[float, float] | None:
@@ -358,12 +353,12 @@ def round_range_bounds(params: _qdq.QuantParams) -> tuple[float, float] | None:
     scale, zero_point = float(np.float32(params.scalar_scale)), int(params.scalar_zero_point)
     if not scale > 0:
         return None
-    width = scale * (params.qmax - params.qmin)
+    # the nearest round bounds to the grid's ends; the scale they give must be the Q's, to float32
+    # precision, which holds only when the grid's top is that round bound too
     lo = round((params.qmin - zero_point) * scale / _ROUND_STEP) * _ROUND_STEP
-    hi = lo + width
-    if not (lo < 0 < hi and _is_round(hi)):
+    hi = round((lo + scale * (params.qmax - params.qmin)) / _ROUND_STEP) * _ROUND_STEP
+    if not lo < 0 < hi:
         return None
-    hi = round(hi / _ROUND_STEP) * _ROUND_STEP
     exact_scale = (hi - lo) / (params.qmax - params.qmin)
     # the zero point within one code: onnxruntime versions round lo / s in float32 or float64,
     # where a range like [-1, 1] puts it at a half
