@@ -274,9 +274,14 @@ def test_percentile_tails_cannot_give_other_ranges():
         range_from_histogram(tails, "percentile")
 
 
-def test_percentile_ranges_are_the_full_histograms_also_where_the_tails_do_not_settle_them():
+@pytest.mark.parametrize("tails_from_bytes", [0, 1 << 62], ids=["every tensor by its tails", "every tensor in full"])
+def test_percentile_ranges_are_the_full_histograms_also_where_the_tails_do_not_settle_them(monkeypatch, tails_from_bytes):
     """A drifting input: the 90% range falls between the first feed's tails, so collect_ranges
-    measures that tensor again with a full histogram; every range is the full histograms'."""
+    measures that tensor again with a full histogram; every range is the full histograms', whichever
+    tensors collect_ranges gives PercentileTails (by size: the toy's are all below the default)."""
+    from kenosis_rewrite.calibration import collect  # noqa: PLC0415
+
+    monkeypatch.setattr(collect, "_TAILS_FROM_BYTES", tails_from_bytes)
     model = toy_models.build("conv_relu")
     feeds = [{name: value + 3 * i for name, value in feed.items()}
              for i, feed in enumerate(toy_models.random_feeds(model, 6))]
@@ -487,7 +492,7 @@ def test_prefetched_runs_update_the_same_statistics_in_the_same_order():
     variants = ((False, False, True), (True, True, True), (True, False, True), (True, True, False), (False, False, False))
     for concurrent, ahead, views in variants:
         histograms, seen = {}, []
-        count = collect._run_group(session, names, iter(feeds), histograms, StreamingHistogram,
+        count = collect._run_group(session, names, iter(feeds), histograms, lambda name: StreamingHistogram(),
                                    lambda run: seen.append(run["x"].copy()), concurrent=concurrent, ahead=ahead,
                                    views=views)
         results[concurrent, ahead, views] = (count, histograms, seen)

@@ -50,6 +50,10 @@ _VIEWS_FROM_BYTES = 256 << 10
 # Updates of smaller tensors are handed to the binning threads together: one task each costs more
 # than binning a small tensor, whose numpy calls mostly hold the GIL anyway
 _TASK_BYTES = 4 << 20
+# PercentileTails reads each value once but costs more per update; below this size a tensor's full
+# histogram is cheaper (16 updates of 13,000 values: 50 us each against 64; of 60,000: 147 against
+# 107) and gives the same percentile range, without ever measuring it again
+_TAILS_FROM_BYTES = 128 << 10
 _FORMAT = "kenosis-calibration/1"
 
 
@@ -304,7 +308,7 @@ def _tensors_of(session: ort.InferenceSession, names: list[str], feed: Mapping[s
 
 
 def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[Mapping[str, np.ndarray]],
-               histograms: dict[str, StreamingHistogram], factory: Callable[[], StreamingHistogram],
+               histograms: dict[str, StreamingHistogram], factory: Callable[[str], StreamingHistogram],
                observe: Observer | None = None, concurrent: bool = True, ahead: bool = True,
                views: bool = True) -> int:
     """Run every feed once, updating the histogram of each float output (and showing the outputs,
@@ -324,8 +328,13 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
         except Exception as error:  # noqa: BLE001
             raise CalibrationError(f"ONNX Runtime failed on calibration sample {index}: {error}") from None
 
+    def histogram(name: str) -> StreamingHistogram:
+        if name not in histograms:
+            histograms[name] = factory(name)
+        return histograms[name]
+
     def updates(outputs: list) -> list[Callable[[], None]]:
-        return [functools.partial(histograms.setdefault(name, factory()).update, value)
+        return [functools.partial(histogram(name).update, value)
                 for name, value in zip(names, outputs)
                 if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)]
 
@@ -415,7 +424,8 @@ def _collect(float_model, feeds, kind, bins, max_pass_bytes, progress, observe, 
              percentile: float = 99.99) -> tuple[dict[str, StreamingHistogram], int, dict[str, str | tuple[float, float]]]:
     """The statistics of the measured tensors, the number of samples, and the borrowed tensors left
     unmeasured (each -> its source, as in ``borrowed``). ``kind``: ``"full"`` histograms,
-    ``"minmax"`` only, or ``"tails"`` (:class:`PercentileTails`)."""
+    ``"minmax"`` only, or ``"tails"`` (:class:`PercentileTails` for tensors of ``_TAILS_FROM_BYTES`` or more,
+    full histograms below: both give the same percentile range)."""
     model = float_model if isinstance(float_model, onnx.ModelProto) else _float_proto(float_model)
     first_pass = _feed_iterable(feeds)
     iterator = iter(first_pass)
@@ -433,8 +443,11 @@ def _collect(float_model, feeds, kind, bins, max_pass_bytes, progress, observe, 
     if len(groups) > 1 and not _reiterable(feeds):
         groups = [[name for group in groups for name in group]]  # one pass is all a generator allows
     histograms: dict[str, StreamingHistogram] = {}
-    factory = {"full": lambda: StreamingHistogram(bins), "tails": lambda: PercentileTails(bins, percentile),
-               "minmax": lambda: StreamingHistogram(bins, keep_histogram=False)}[kind]
+    def factory(name: str) -> StreamingHistogram:
+        if kind == "tails" and selected[name] >= _TAILS_FROM_BYTES:
+            return PercentileTails(bins, percentile)
+        return StreamingHistogram(bins, keep_histogram=kind != "minmax")
+
     total = _length(feeds)
     samples = 0
     for index, names in enumerate(groups):
@@ -514,7 +527,8 @@ def collect_ranges(
     histograms, samples, aliases = _collect(model, feeds, kind, bins, max_pass_bytes, progress, observe,
                                             tensors, borrowed, percentile)
     if tails:
-        ranges = {name: h.percentile_range(percentile) for name, h in histograms.items()}
+        ranges = {name: h.percentile_range(percentile) if isinstance(h, PercentileTails)
+                  else range_from_histogram(h, method, percentile) for name, h in histograms.items()}
         unsettled = [name for name, found in ranges.items() if found is None]
         if unsettled:
             again, _, _ = _collect(model, feeds, "full", bins, max_pass_bytes, progress, None, unsettled, None)
