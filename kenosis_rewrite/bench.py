@@ -47,6 +47,7 @@ from kenosis_rewrite.bench_report import (  # re-exported: the results were defi
 from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError, one_line
 from kenosis_rewrite.fidelity import Fidelity, random_feeds
 from kenosis_rewrite.fidelity import output_fidelity as fidelity
+from kenosis_rewrite.task_metrics import TaskMetric
 
 __all__ = [
     "LatencyStats",
@@ -186,6 +187,7 @@ class _Inputs:
     evaluation: list[dict[str, np.ndarray]]
     class_output: int | None
     source: str
+    task: TaskMetric | None = None  # the zoo model's task score against FP32
 
 
 def _load_user_model(path: str) -> onnx.ModelProto:
@@ -209,14 +211,15 @@ def _zoo_inputs(name: str, calibration_samples: int, cache_dir: str | None, phot
         calibration = zoo.model_feeds(entry.name, zoo.load_photo_set("scenes", max(1, calibration_samples), cache_dir))
         evaluation = zoo.model_feeds(entry.name, zoo.load_photo_set("objects", cache_dir=cache_dir))
         return _Inputs(f"zoo:{entry.name}", model, calibration, evaluation, entry.class_output,
-                       f"{len(evaluation)} held-out real photos of objects (calibrated on {len(calibration)} scenes)")
+                       f"{len(evaluation)} held-out real photos of objects (calibrated on {len(calibration)} scenes)",
+                       entry.task)
     if photos != "default":
         raise ValueError(f"photos must be 'default' or 'large', not {photos!r}")
     feeds = zoo.model_feeds(entry.name, zoo.load_photos(cache_dir=cache_dir))
     count = max(1, min(calibration_samples, len(feeds) - 1))
     calibration, evaluation = feeds[:count], feeds[count:]
     return _Inputs(f"zoo:{entry.name}", model, calibration, evaluation, entry.class_output,
-                   f"{len(evaluation)} held-out real photos (calibrated on {len(calibration)})")
+                   f"{len(evaluation)} held-out real photos (calibrated on {len(calibration)})", entry.task)
 
 
 def _path_inputs(path: str, calibration_samples: int) -> _Inputs:
@@ -349,6 +352,8 @@ def _describe(variant: VariantResult, model: onnx.ModelProto, inputs: _Inputs,
     try:
         outputs = _outputs(variant.name, model, inputs.evaluation, threads)
         variant.fidelity = fidelity(reference, outputs, inputs.class_output)
+        if inputs.task is not None:
+            variant.task = inputs.task(reference, outputs)
     except (KenosisError, ValueError) as error:
         variant.error = one_line(error)
 
@@ -465,8 +470,9 @@ def run_bench(
     for name, proto in measurable.items() if streams > 0 else ():
         say(f"throughput {name}: {streams} streams x {stream_seconds:g} s")
         throughput[name] = measure_throughput(proto, inputs.evaluation[0], streams, stream_seconds)
+    task = None if inputs.task is None else f"{inputs.task.name}: {inputs.task.description}"
     return BenchResult(inputs.label, threads, runs, warmup, inputs.source, results, throughput,
-                       _environment(), tuple(also_threads))
+                       _environment(), tuple(also_threads), task)
 
 
 # --------------------------------------------------------------------------- command line

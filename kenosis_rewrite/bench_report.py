@@ -82,6 +82,7 @@ class VariantResult:
     speedup_vs_fp32: float | None = None
     speedup_vs_unfixed: float | None = None
     fidelity: Fidelity | None = None
+    task: float | None = None  # the model's task score against FP32 (``BenchResult.task`` says which)
     error: str | None = None
     build_s: float | None = None  # wall time to make this variant (the quantizer's, or fix()'s)
     # x FP32 at the other thread counts asked for (``run_bench(also_threads=...)``)
@@ -106,7 +107,7 @@ def _size(size: int | None) -> str:
 
 
 _COLUMNS = ("variant", "median ms", "p90 ms", "FPS", "x FP32", "x unfixed", "int MACs",
-            "cosine", "max abs err", "top-1", "size", "nodes", "build s")
+            "cosine", "max abs err", "top-1", "task", "size", "nodes", "build s")
 
 
 def _columns(also_threads: Sequence[int]) -> tuple[str, ...]:
@@ -128,6 +129,7 @@ def _row(variant: VariantResult, also_threads: Sequence[int] = ()) -> list[str]:
         _fmt(fid and fid.cosine, ".5f"), _fmt(fid and fid.max_abs_err, ".4g"),
         _fmt(None if fid is None or fid.top1_agreement is None else 100 * fid.top1_agreement, ".0f", "-")
         + ("%" if fid is not None and fid.top1_agreement is not None else ""),
+        _fmt(variant.task, ".3f", "-"),
         _size(variant.size_bytes), _fmt(variant.node_count, "d"), _fmt(variant.build_s, ".1f", "-"),
     ]
 
@@ -145,6 +147,7 @@ class BenchResult:
     throughput: dict[str, ThroughputStats] = dataclasses.field(default_factory=dict)
     environment: dict[str, str] = dataclasses.field(default_factory=dict)
     also_threads: tuple[int, ...] = ()
+    task: str | None = None  # the task column's metric and how it is decoded (None: the model has none)
 
     def variant(self, name: str) -> VariantResult:
         for variant in self.variants:
@@ -156,7 +159,7 @@ class BenchResult:
         return {
             "model": self.model, "threads": self.threads, "also_threads": list(self.also_threads),
             "runs": self.runs, "warmup": self.warmup,
-            "feeds": self.feeds, "environment": dict(self.environment),
+            "feeds": self.feeds, "task": self.task, "environment": dict(self.environment),
             "variants": [variant.to_dict() for variant in self.variants],
             "throughput": {name: stats.to_dict() for name, stats in self.throughput.items()},
         }
@@ -166,8 +169,9 @@ class BenchResult:
 
     def _setup_line(self) -> str:
         env = ", ".join(f"{k} {v}" for k, v in self.environment.items())
+        task = f"Task: {self.task}. " if self.task else ""
         return (f"{self.threads} thread(s), {self.warmup} warm-up + at least {self.runs} interleaved runs per variant (3 s of runs for fast models); "
-                f"fidelity vs FP32 on {self.feeds}. {env}")
+                f"fidelity vs FP32 on {self.feeds}. {task}{env}")
 
     def stability_note(self) -> str:
         """One sentence on how steady the machine was while timing (see :attr:`LatencyStats.drift`)."""

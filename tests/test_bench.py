@@ -6,6 +6,7 @@ Timings are never pass criteria here: the tests check that the harness measured 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -313,6 +314,25 @@ def test_bench_main_reports_refusals_with_exit_codes(tmp_path, capsys):
 
 
 @pytest.mark.real_model
+def test_run_bench_scores_each_variant_on_the_models_task(monkeypatch, toy_path):
+    """A model with a task metric (the zoo's detectors and recognisers) gets its score per variant,
+    FP32's own 1.0, and the report names the metric."""
+    from kenosis_rewrite import task_metrics
+
+    plain = bench._path_inputs
+    metric = task_metrics.map_iou(0, 0.5, name="positive-map IoU", description="output > 0.5, IoU with FP32's")
+    monkeypatch.setattr(bench, "_path_inputs", lambda *args: dataclasses.replace(plain(*args), task=metric))
+    result = _toy_bench(toy_path, configs=("u8s8",), include_fix=False)
+    assert result.variant("fp32").task == 1.0
+    assert 0.5 < result.variant("u8s8").task < 1.0  # int8 moves some values across the threshold
+    text = result.to_markdown()
+    assert "Task: positive-map IoU@0.5: output > 0.5, IoU with FP32's" in text
+    header = next(line.split("|") for line in text.splitlines() if line.startswith("| variant"))
+    row = next(line.split("|") for line in text.splitlines() if line.startswith("| u8s8 "))
+    assert row[header.index(" task ")].strip() == f"{result.variant('u8s8').task:.3f}"
+    assert json.loads(result.to_json())["task"].startswith("positive-map IoU@0.5")
+
+
 def test_run_bench_on_a_real_model_uses_real_photos(tmp_path_factory):
     from kenosis_rewrite import zoo
 
