@@ -10,8 +10,9 @@
 For each model and thread count: quantize()'s speed against FP32, the fastest other variant that ran
 (quantize_static configs and peers, each as given and after fix()), quantize()'s speed as a fraction
 of that one's (the bar is 0.97), quantize()'s cosine beside fix(quantize_static u8s8 per-channel)'s
-(u8s8 per-tensor where per-channel gave no valid model: opsets below 13), and quantize()'s build
-seconds beside the fastest peer's.
+(u8s8 per-tensor where per-channel gave no valid model: opsets below 13), the same two variants' task
+scores where the model has a task metric (the JSON's ``task`` names it; "-" where it has none), and
+quantize()'s build seconds beside the fastest peer's.
 """
 
 from __future__ import annotations
@@ -60,12 +61,16 @@ def _row(data: dict) -> str:
     peer_builds = [v["build_s"] for name, v in variants.items() if name in PEERS and v.get("build_s")]
     fastest = min(peer_builds) if peer_builds else None
     build = f"{ours['build_s']:.1f} vs {fastest:.1f}" if fastest and ours.get("build_s") else f"{ours.get('build_s') or 0:.1f}"
-    return f"| {data['model']} | " + " | ".join(cells) + f" | {cosine} | {build} |"
+    ours_task, ref_task = ours.get("task"), (reference or {}).get("task")
+    task = (f"{ours_task:.3f} vs {ref_task:.3f}" if ours_task is not None and ref_task is not None
+            else "-" if not data.get("task") else "n/a")
+    return f"| {data['model']} | " + " | ".join(cells) + f" | {cosine} | {task} | {build} |"
 
 
 def main(paths: list[str]) -> None:
-    print("| model | quantize() vs best other, × FP32, 1 thr | same, 2 thr | cosine: quantize() vs fix(quantize_static) | build s: quantize() vs fastest peer |")
-    print("|---|---|---|---|---|")
+    print("| model | quantize() vs best other, × FP32, 1 thr | same, 2 thr | cosine: quantize() vs fix(quantize_static) "
+          "| task: quantize() vs fix(quantize_static) | build s: quantize() vs fastest peer |")
+    print("|---|---|---|---|---|---|")
     for path in paths:
         with open(path) as handle:
             print(_row(json.load(handle)))

@@ -31,6 +31,7 @@ Every decision is in the returned :class:`FixReport`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import os
@@ -47,6 +48,7 @@ from kenosis_rewrite import calibration as calib
 from kenosis_rewrite.bias_correction import RULE_NAME as BIAS_CORRECTION
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.ort_static import ranges_the_quantizer_sets
+from kenosis_rewrite.calibration.output_extremes import mixed_output_concats, output_value_tensors
 from kenosis_rewrite.calibration.shared_scales import SAME_SCALE_OPS, shared_concat_ranges
 from kenosis_rewrite.canonical import prepare_serialized
 from kenosis_rewrite.equalization import ChannelMaxima, equalize
@@ -171,6 +173,7 @@ def _image_paths(folder) -> list[str]:
 
 
 SHARED_RANGE_RULE = "share-concat-ranges"
+MIXED_OUTPUT_CONCAT_RULE = "mixed-output-concat-float"
 
 
 def _median_per_channel_gain_db(model: onnx.ModelProto) -> float:
@@ -301,6 +304,21 @@ def _borrowed(model: onnx.ModelProto, options: Mapping, shared_ranges: bool, lay
         borrowed = {name: source for name, source in borrowed.items() if name not in near_groups}
     kept = layer_inputs.sources() if layer_inputs is not None else set()
     return {name: source for name, source in borrowed.items() if name not in kept}
+
+
+def _output_value_ranges(ranges: calib.TensorRanges, output_values: Mapping[str, tuple[float, float] | None],
+                         extremes: set[str]) -> tuple[calib.TensorRanges, str]:
+    """``ranges`` with each measured tensor of ``output_values`` that has a natural range given it
+    (:mod:`~kenosis_rewrite.calibration.output_extremes`), and what was done (empty: nothing): how
+    many took their natural range, how many their min/max (``extremes``, already in ``ranges``)."""
+    natural = {name: bounds for name, bounds in output_values.items() if bounds is not None and name in ranges}
+    parts = [f"{len(natural)} tensors take their activation's whole range"] if natural else []
+    at_extremes = len(extremes & set(ranges))
+    if at_extremes:
+        parts.append(f"{at_extremes} their min/max, not {ranges.method} ranges")
+    if not natural:
+        return ranges, "; ".join(parts)
+    return dataclasses.replace(ranges, ranges={**ranges.ranges, **natural}), "; ".join(parts)
 
 
 def _mark_deleted_activations(float_proto: onnx.ModelProto, quantized: ir.Model, kept: set[str]) -> None:
@@ -500,12 +518,16 @@ def quantize(
                            "only constants: not quantized", exact=True)
     # weight rounding's layer inputs, gathered from the calibration run (which computes every tensor)
     layer_inputs = InputMoments(proto) if weight_rounding else None
+    # the tensors whose extremes are the answer (a detector's scores): never clipped by the method
+    output_values = output_value_tensors(proto)
+    extremes = {name for name, bounds in output_values.items() if bounds is None} if calibration_method != "minmax" else set()
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
                                       observe=layer_inputs.tasks if layer_inputs is not None else None,
                                       tensors=_calibrated(proto, chosen_plan, options, layer_inputs),
                                       borrowed=_borrowed(proto, options, share_concat_ranges and chosen_plan == "full",
-                                                         layer_inputs))
+                                                         layer_inputs),
+                                      extremes=extremes)
     except calib.CalibrationError as error:
         if not _self_calibrated(calibration):
             raise
@@ -517,6 +539,16 @@ def quantize(
         raise
     except Exception as error:  # noqa: BLE001 - calibration runs ORT sessions, which raise many types
         raise KenosisError(f"calibration ({calibration_method}) failed on this model: {one_line(error)}") from error
+    ranges, widened = _output_value_ranges(ranges, output_values, extremes)
+    if widened:
+        report.note(f"{widened}: their values reach a graph output, whose rare extremes are the answer (detection "
+                    "scores, text pixels)")
+    if chosen_plan == "full":  # the weighted plan leaves Concats float anyway
+        mixed = mixed_output_concats(proto, output_values, ranges)
+        for name, reason in mixed.items():
+            report.changed(MIXED_OUTPUT_CONCAT_RULE, name, reason, exact=True)
+        if mixed:
+            options["nodes_to_exclude"] = list(dict.fromkeys([*options.get("nodes_to_exclude", ()), *mixed]))
     if share_concat_ranges and chosen_plan == "full":  # the weighted plan leaves Concats float
         ranges = _shared_concat_ranges(proto, ranges, options.get("nodes_to_exclude", ()), report)
     # the final fidelity's runs of the model as given, on the core quantize_static's Python leaves

@@ -490,6 +490,7 @@ def collect_ranges(
     observe: Observer | None = None,
     tensors: Collection[str] | None = None,
     borrowed: Mapping[str, str | tuple[float, float]] | None = None,
+    extremes: Collection[str] = (),
 ) -> TensorRanges:
     """Per-tensor ``(lo, hi)`` ranges of every float tensor of ``float_model`` over ``feeds``.
 
@@ -502,13 +503,14 @@ def collect_ranges(
     is: loading and serialising it again would give the same proto. ``observe``: as in
     :func:`collect_histograms` (not called when the ranges come from the cache). ``tensors``: only
     these, as in :func:`collect_histograms` (not with ``cache``: a ranges file holds every tensor);
-    ``borrowed`` likewise.
+    ``borrowed`` likewise. ``extremes``: tensors whose range is their exact min/max whatever the
+    method (:mod:`~kenosis_rewrite.calibration.output_extremes`; not with ``cache`` either).
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
-    if cache is not None and (tensors is not None or borrowed):
-        raise ValueError("a calibration cache holds the ranges of every tensor: pass tensors= or borrowed= "
-                         "or cache=, not both")
+    if cache is not None and (tensors is not None or borrowed or extremes):
+        raise ValueError("a calibration cache holds the ranges of every tensor by one method: pass tensors=, "
+                         "borrowed= or extremes=, or cache=, not both")
     model = float_model if serialised else _float_proto(float_model)
     digest = model_hash(model)
     used_percentile = percentile if method == "percentile" else None
@@ -535,6 +537,9 @@ def collect_ranges(
             ranges.update({name: range_from_histogram(h, method, percentile) for name, h in again.items()})
     else:
         ranges = {name: range_from_histogram(h, method, percentile) for name, h in histograms.items()}
+    for name in set(extremes) & set(histograms):  # both histogram kinds keep the exact min/max
+        histogram = histograms[name]
+        ranges[name] = (float(histogram.minimum), float(histogram.maximum)) if histogram.count else (0.0, 0.0)
     # a fixed range: the quantizer needs the name, with any range (it sets its own)
     ranges.update({name: ranges[source] if isinstance(source, str) else source for name, source in aliases.items()
                    if not isinstance(source, str) or source in ranges})

@@ -1,0 +1,66 @@
+"""Task scores of quantize() beside fix(quantize_static) and the peers, on the zoo models that have one.
+
+    python examples/task_table.py [MODELS] [--peers inc,nncf] [--calibration 16]
+
+Each model is calibrated on the first ``--calibration`` zoo scenes and evaluated on the 100 zoo
+photos of objects (none seen in calibration), as ``kenosis-rewrite bench --photos large`` does.
+Per variant: the worst output's cosine against FP32 and the model's task score
+(:mod:`kenosis_rewrite.task_metrics`: its outputs decoded as its package decodes them, against FP32's
+decoding), with the number of evaluated images the task score counts (those where FP32 or the
+variant finds anything). No timing: ``bench`` measures speed. Peers run in their own venvs
+(``kenosis-rewrite peers install inc``); one that is not installed is left out with its reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import kenosis_rewrite
+from kenosis_rewrite import fidelity, ort_quantize, peers, task_metrics, zoo
+from kenosis_rewrite.errors import one_line
+
+
+def _counted(metric: task_metrics.TaskMetric, reference, runs) -> int:
+    """How many images the metric scored (the others have nothing to agree on)."""
+    return sum(metric([r], [c]) is not None for r, c in zip(reference, runs))
+
+
+def _variants(model, calibration, peer_names):
+    yield "quantize()", lambda: kenosis_rewrite.quantize(model, calibration=calibration)
+    yield "fix(quantize_static u8s8_pc)", lambda: kenosis_rewrite.fix(
+        ort_quantize.quantize_with_ort(model, calibration, "u8s8_pc"))
+    for name in peer_names:
+        yield name, lambda name=name: peers.quantize_with_peer(name, model, calibration).model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    with_task = [entry.name for entry in zoo.MODELS if entry.task is not None]
+    parser.add_argument("models", nargs="?", default=",".join(with_task), help="comma-separated zoo names")
+    parser.add_argument("--peers", default="", help="comma-separated: inc, nncf, quark")
+    parser.add_argument("--calibration", type=int, default=16)
+    args = parser.parse_args()
+    scenes = zoo.load_photo_set("scenes", args.calibration)
+    objects = zoo.load_photo_set("objects")
+    print("| model | task metric | variant | cosine | task score | images scored |")
+    print("|---|---|---|---:|---:|---:|")
+    for name in args.models.split(","):
+        entry = zoo.get_model(name)
+        model = zoo.load_model(name)
+        calibration, evaluation = zoo.model_feeds(name, scenes), zoo.model_feeds(name, objects)
+        reference = fidelity.run(model, evaluation)
+        for label, build in _variants(model, calibration, [p for p in args.peers.split(",") if p]):
+            try:
+                runs = fidelity.run(build(), evaluation)
+            except Exception as error:  # noqa: BLE001 - a variant that fails is a row saying why
+                print(f"| {name} | {entry.task.name} | {label} | failed: {one_line(error)} | | |", flush=True)
+                continue
+            cosine = fidelity.output_fidelity(reference, runs).cosine
+            score = entry.task(reference, runs)
+            shown = "n/a" if score is None else f"{score:.3f}"
+            print(f"| {name} | {entry.task.name} | {label} | {cosine:.5f} | {shown} | "
+                  f"{_counted(entry.task, reference, runs)} / {len(evaluation)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
