@@ -409,6 +409,9 @@ def quantize(
             plan: a transformer's outlier channels are features; with every op quantized, the ViT's
             mean heat-map cosine was 0.99648 with percentile ranges and 0.99927 with min/max, and
             PP-OCRv5's recognizer decoded 0 and 6 of 8 text lines as FP32 does), ``"entropy"``, ``"mse"``.
+            Whatever the method, the tensors whose values reach a graph output unchanged in order (a
+            detector head's logits, scores and boxes) take their min/max, a Sigmoid/Softmax/Tanh there
+            its whole range (:mod:`kenosis_rewrite.calibration.output_extremes`).
         protect_outputs: keep graph outputs in float (on by default).
         protect_metadata_inputs: never quantize tensors computed only from non-image inputs.
         snr_threshold_db: keep in FP32 every layer whose weight SNR or local SQNR is below this.
