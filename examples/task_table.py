@@ -62,9 +62,7 @@ def main() -> None:
             try:
                 runs = fidelity.run(build(), evaluation)
             except Exception as error:  # noqa: BLE001 - a variant that fails is a row saying why
-                # a peer's error ends with its own last lines: the cause is there, not in the first
-                cause = str(error).strip().splitlines()[-1] if isinstance(error, peers.PeerFailedError) else one_line(error)
-                print(f"| {name} | {entry.task.name} | {label} | failed: {cause} | | |", flush=True)
+                print(f"| {name} | {entry.task.name} | {label} | failed: {one_line(error)} | | |", flush=True)
                 continue
             cosine = fidelity.output_fidelity(reference, runs).cosine
             score = entry.task(reference, runs)

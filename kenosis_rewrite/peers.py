@@ -249,7 +249,9 @@ def quantize_with_peer(
         elapsed = time.perf_counter() - start
         if done.returncode != 0 or not os.path.exists(out):
             tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
-            raise PeerFailedError(f"{peer.title} failed (exit {done.returncode}):\n" + "\n".join(tail))
+            # the cause is the tool's last line: on the first too, which reports and tables keep
+            cause = tail[-1].strip() if tail else "no output"
+            raise PeerFailedError(f"{peer.title} failed (exit {done.returncode}): {cause}\n" + "\n".join(tail))
         summary = next((json.loads(line) for line in reversed(done.stdout.splitlines()) if line.startswith("{")), {})
         quantized = onnx.load(out)
     return PeerQuantization(name, preset, quantized, float(summary.get("wall_s", elapsed)), str(summary.get("version", "?")))

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from kenosis_rewrite import bench, cli, fidelity, peers, toy_models
-from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.errors import KenosisError, one_line
 
 FAKE_NNCF = '''
 __version__ = "0-stand-in"
@@ -73,8 +73,10 @@ def test_a_failing_peer_reports_its_own_error(stand_in_nncf):
     for node in model.graph.node:
         node.input[:] = ["refuse_me" if i == "x" else i for i in node.input]
     feeds = [{"refuse_me": f["x"]} for f in toy_models.random_feeds(toy_models.build("conv_relu"), 1)]
-    with pytest.raises(peers.PeerFailedError, match="the stand-in refuses this model"):
+    with pytest.raises(peers.PeerFailedError, match="the stand-in refuses this model") as raised:
         peers.quantize_with_peer("nncf", model, feeds)
+    # the cause on the first line too: reports and tables keep only that (errors.one_line)
+    assert "the stand-in refuses this model" in one_line(raised.value)
 
 
 def test_unknown_peer_and_empty_feeds_are_refused():
