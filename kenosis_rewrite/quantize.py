@@ -523,7 +523,8 @@ def quantize(
     layer_inputs = InputMoments(proto) if weight_rounding else None
     # the tensors whose extremes are the answer (a detector's scores): never clipped by the method
     output_values = output_value_tensors(proto)
-    extremes = {name for name, bounds in output_values.items() if bounds is None} if calibration_method != "minmax" else set()
+    clipping = calibration_method != "minmax"
+    extremes = {name for name, bounds in output_values.items() if bounds is None and clipping}
     try:
         ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
                                       observe=layer_inputs.tasks if layer_inputs is not None else None,

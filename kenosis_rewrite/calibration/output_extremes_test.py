@@ -95,7 +95,8 @@ def test_quantize_keeps_the_rare_confident_score_a_percentile_would_clip(monkeyp
     scores = b.node("Sigmoid", [logits])
     boxes = b.node("Mul", [b.conv("x", 8, 4, k=1), b.const(np.float32(8.0), "stride")])
     joined = b.node("Concat", [boxes, scores], axis=1)
-    model = b.model({"x": [1, 8, 64, 64]}, b.node("Reshape", [joined, b.const(np.array([1, 6, -1], np.int64), "shape")]))
+    shape = b.const(np.array([1, 6, -1], np.int64), "shape")
+    model = b.model({"x": [1, 8, 64, 64]}, b.node("Reshape", [joined, shape]))
     rng = np.random.default_rng(0)
     calibration = [{"x": rng.standard_normal([1, 8, 64, 64]).astype(np.float32)} for _ in range(8)]
     calibration[0]["x"][0, :, 10, 10] = 2.5
@@ -115,4 +116,5 @@ def test_quantize_keeps_the_rare_confident_score_a_percentile_would_clip(monkeyp
     floats = {change.where for change in report.changes if change.rule == "mixed-output-concat-float"}
     assert {node.op_type for node in model.graph.node if node.name in floats} == {"Concat", "Reshape"}
     concat = next(node for node in quantized.graph.node if node.op_type == "Concat")
-    assert not any(node.op_type == "QuantizeLinear" and node.input[0] == concat.output[0] for node in quantized.graph.node)
+    quantizers = [node for node in quantized.graph.node if node.op_type == "QuantizeLinear"]
+    assert not any(node.input[0] == concat.output[0] for node in quantizers)
