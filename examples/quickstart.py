@@ -51,13 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     latency = bench.measure_latency(models, evaluation[0], threads=1, warmup=20, runs=args.runs, min_seconds=3)
     reference = _outputs(float_model, evaluation)
     print(f"\n== {args.model}: {spec.structure} ==")
-    print("| model | median ms | vs FP32 | cosine vs FP32 | top-1 agreement |")
-    print("|---|---:|---:|---:|---:|")
+    # detectors and recognisers: their answers, decoded as their package decodes them, against FP32's
+    task = f" {spec.task.name} vs FP32 |" if spec.task is not None else ""
+    print(f"| model | median ms | vs FP32 | cosine vs FP32 | top-1 agreement |{task}")
+    print("|---|---:|---:|---:|---:|" + ("---:|" if task else ""))
     for name, model in models.items():
-        scores = bench.fidelity(reference, _outputs(model, evaluation), spec.class_output)
+        outputs = _outputs(model, evaluation)
+        scores = bench.fidelity(reference, outputs, spec.class_output)
         top1 = f"{scores.top1_agreement:.0%}" if scores.top1_agreement is not None else "n/a"
         speed = latency["FP32"].median_ms / latency[name].median_ms
-        print(f"| {name} | {latency[name].median_ms:.2f} | {speed:.2f}x | {scores.cosine:.5f} | {top1} |")
+        answer = spec.task(reference, outputs) if spec.task is not None else None
+        shown = "" if spec.task is None else f" {answer:.3f} |" if answer is not None else " n/a |"
+        print(f"| {name} | {latency[name].median_ms:.2f} | {speed:.2f}x | {scores.cosine:.5f} | {top1} |{shown}")
+    if spec.task is not None:
+        print(f"\n{spec.task.name}: {spec.task.description}")
     return 0
 
 
