@@ -32,7 +32,8 @@ import onnx
 
 from kenosis_rewrite.errors import KenosisError
 
-__all__ = ["PLANS", "WEIGHTED_PLANS", "choose_plan", "has_attention", "plan_options", "attention_matmuls"]
+__all__ = ["PLANS", "WEIGHTED_PLANS", "choose_plan", "has_attention", "plan_options", "attention_matmuls",
+           "constant_names"]
 
 PLANS = ("auto", "full", "weighted", "weighted-static")
 WEIGHTED_PLANS = ("weighted", "weighted-static")
@@ -41,7 +42,8 @@ WEIGHTED_PLANS = ("weighted", "weighted-static")
 WEIGHTED_OPS = ("MatMul", "Gemm")
 
 
-def _constants(model: onnx.ModelProto) -> set[str]:
+def constant_names(model: onnx.ModelProto) -> set[str]:
+    """The main graph's initializers and Constant node outputs."""
     names = {init.name for init in model.graph.initializer}
     names.update(out for node in model.graph.node if node.op_type == "Constant" for out in node.output)
     return names
@@ -50,7 +52,7 @@ def _constants(model: onnx.ModelProto) -> set[str]:
 def attention_matmuls(model: onnx.ModelProto) -> list[str]:
     """Names of the MatMuls (top-level graph) that multiply two computed tensors (attention scores
     and context); unnamed nodes cannot be excluded from quantize_static, so they are skipped."""
-    constants = _constants(model)
+    constants = constant_names(model)
     return [node.name for node in model.graph.node
             if node.op_type == "MatMul" and node.name and not any(i in constants for i in node.input[:2])]
 
@@ -64,7 +66,7 @@ def has_attention(model: onnx.ModelProto) -> bool:
     """A Softmax whose output a MatMul multiplies by a computed tensor (``softmax(QK^T) V``), the
     probabilities read directly or through :data:`_PASS_THROUGH` ops (PP-OCRv3's recognizer, as
     exported: Softmax -> Identity -> MatMul)."""
-    constants = _constants(model)
+    constants = constant_names(model)
     probabilities = {node.output[0] for node in model.graph.node if node.op_type == "Softmax"}
     for node in model.graph.node:  # topological order: a pass-through op follows what it reads
         if node.op_type in _PASS_THROUGH and node.input and node.input[0] in probabilities:

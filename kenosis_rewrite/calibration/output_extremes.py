@@ -28,6 +28,8 @@ from collections.abc import Collection, Mapping
 
 import onnx
 
+from kenosis_rewrite.plan import constant_names
+
 __all__ = ["NATURAL_RANGES", "PASS_THROUGH_OPS", "mixed_output_concats", "output_value_tensors"]
 
 # each output value is an input value, or a monotone function of one input value alone
@@ -48,8 +50,7 @@ def output_value_tensors(model: onnx.ModelProto) -> dict[str, tuple[float, float
     ``PASS_THROUGH_OPS`` and affine steps by constants (the graph outputs included), each -> its
     producer's range from ``NATURAL_RANGES``, or None (its calibrated min/max)."""
     graph = model.graph
-    constants = {init.name for init in graph.initializer}
-    constants.update(output for node in graph.node if node.op_type == "Constant" for output in node.output)
+    constants = constant_names(model)
     producers = {output: node for node in graph.node for output in node.output if output}
     found: dict[str, tuple[float, float] | None] = {}
     pending = [output.name for output in graph.output]
