@@ -1,6 +1,7 @@
 """Task scores of quantize() beside fix(quantize_static) and the peers, on the zoo models that have one.
 
     python examples/task_table.py [MODELS] [--peers inc,nncf] [--calibration 16]
+        [--calibration-method minmax] [--no-reference]
 
 Each model is calibrated on the first ``--calibration`` zoo scenes and evaluated on the 100 zoo
 photos of objects (none seen in calibration), as ``kenosis-rewrite bench --photos large`` does.
@@ -35,9 +36,11 @@ def _fixed_quantize_static(model, calibration):
         return kenosis_rewrite.fix(ort_quantize.quantize_with_ort(model, calibration, "u8s8"))
 
 
-def _variants(model, calibration, peer_names):
-    yield "quantize()", lambda: kenosis_rewrite.quantize(model, calibration=calibration)
-    yield "fix(quantize_static)", lambda: _fixed_quantize_static(model, calibration)
+def _variants(model, calibration, peer_names, method, with_reference):
+    label = "quantize()" if method is None else f'quantize(calibration_method="{method}")'
+    yield label, lambda: kenosis_rewrite.quantize(model, calibration=calibration, calibration_method=method)
+    if with_reference:
+        yield "fix(quantize_static)", lambda: _fixed_quantize_static(model, calibration)
     for name in peer_names:
         yield name, lambda name=name: peers.quantize_with_peer(name, model, calibration).model
 
@@ -48,6 +51,8 @@ def main() -> None:
     parser.add_argument("models", nargs="?", default=",".join(with_task), help="comma-separated zoo names")
     parser.add_argument("--peers", default="", help="comma-separated: inc, nncf, quark")
     parser.add_argument("--calibration", type=int, default=16)
+    parser.add_argument("--calibration-method", help="quantize()'s (minmax, percentile, ...); its default when left out")
+    parser.add_argument("--no-reference", action="store_true", help="quantize() alone, without fix(quantize_static)")
     args = parser.parse_args()
     scenes = zoo.load_photo_set("scenes", args.calibration)
     objects = zoo.load_photo_set("objects")
@@ -58,7 +63,8 @@ def main() -> None:
         model = zoo.load_model(name)
         calibration, evaluation = zoo.model_feeds(name, scenes), zoo.model_feeds(name, objects)
         reference = fidelity.run(model, evaluation)
-        for label, build in _variants(model, calibration, [p for p in args.peers.split(",") if p]):
+        peer_names = [p for p in args.peers.split(",") if p]
+        for label, build in _variants(model, calibration, peer_names, args.calibration_method, not args.no_reference):
             try:
                 runs = fidelity.run(build(), evaluation)
             except Exception as error:  # noqa: BLE001 - a variant that fails is a row saying why
