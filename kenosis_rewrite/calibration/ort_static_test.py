@@ -109,3 +109,82 @@ def test_weight_scales_raised_for_int32_biases_as_quantize_static_raises_them(pe
     plain = np.abs(onnx.numpy_helper.to_array(model.graph.initializer[0])).reshape(4, -1).max(axis=1) / np.float32(127)
     assert (scales["w_scale"][[0, 2]] > 1.5 * plain[[0, 2]]).all()  # raised: the test reaches the adjustment
     np.testing.assert_array_equal(scales["w_scale"][[1, 3]], plain[[1, 3]])
+
+
+@pytest.mark.parametrize("name", ["concat", "conv_add_relu", "gap_head", "conv_bn"])
+def test_same_model_as_quantize_static_on_more_graphs(name):
+    """Concats, residual Adds, pooling heads and BatchNorms: more tensors rewired and more biases replaced."""
+    model = toy_models.build(name)
+    ort_bytes, our_bytes = _both(model, **quantize_static_options("ort-cpu", True))
+    assert ort_bytes == our_bytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_indexed_lookups_change_the_graph_as_orts_scans_do(seed):
+    """Random sequences of the graph edits ORT's quantizer makes, on ORT's ONNXModel and on the
+    indexed one: every lookup answers the same and the graphs end byte for byte the same. Names
+    repeat on purpose (initializers of one name, nodes reading a tensor twice)."""
+    from onnx import helper  # noqa: PLC0415
+    from onnxruntime.quantization.onnx_model import ONNXModel  # noqa: PLC0415
+
+    from kenosis_rewrite.calibration.ort_static import _ScanningONNXModel  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    names = [f"t{i}" for i in range(8)]
+
+    def tensor(name: str) -> onnx.TensorProto:
+        return onnx.numpy_helper.from_array(rng.standard_normal(2).astype(np.float32), name)
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", [names[i], names[(i * 3) % 8]], [f"o{i}"], name=f"n{i}") for i in range(8)],
+        "g", [helper.make_tensor_value_info("t0", onnx.TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("o7", onnx.TensorProto.FLOAT, [2])], [tensor(name) for name in names[1:6]])
+    graph.initializer.append(tensor("t3"))  # a repeated name: lookups answer the first
+    base = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    theirs, ours = ONNXModel(onnx.ModelProto.FromString(base.SerializeToString())), _ScanningONNXModel(
+        onnx.ModelProto.FromString(base.SerializeToString()))
+    added = 0
+    for _ in range(120):
+        action = rng.integers(0, 8)
+        name, other = (str(rng.choice([*names, "new0", "new1"])) for _ in range(2))
+        if action == 0:
+            for model in (theirs, ours):
+                model.replace_input_of_all_nodes(name, other)
+        elif action == 1:
+            init = tensor(name)
+            for model in (theirs, ours):
+                model.add_initializer(init)
+        elif action == 2:
+            found = [model.get_initializer(name) for model in (theirs, ours)]
+            assert (found[0] is None) == (found[1] is None)
+            if found[0] is not None:
+                assert found[0] == found[1]
+                for model, init in zip((theirs, ours), found):
+                    model.remove_initializer(init)
+        elif action == 3:
+            node = helper.make_node("Mul", [name, name, other], [f"m{added}"], name=f"m{added}")
+            added += 1
+            for model in (theirs, ours):
+                model.add_node(node)
+        elif action == 4 and len(theirs.nodes()):
+            index = int(rng.integers(0, len(theirs.nodes())))
+            for model in (theirs, ours):
+                node = model.nodes()[index]
+                model.replace_node_input(node, node.input[0], other)
+        elif action == 5 and len(theirs.nodes()) > 4:
+            index = int(rng.integers(0, len(theirs.nodes())))
+            for model in (theirs, ours):
+                model.remove_node(model.nodes()[index])
+        elif action == 6:
+            inits = [tensor(name), tensor(other)]
+            for model in (theirs, ours):
+                model.initializer_extend(inits)
+        else:
+            chosen = {f"n{rng.integers(0, 8)}"}
+            for model in (theirs, ours):
+                model.replace_input_of_nodes(name, other, chosen)
+        assert theirs.model.SerializeToString() == ours.model.SerializeToString(), (action, name, other)
+        for probe in (name, other):
+            found = [model.get_initializer(probe) for model in (theirs, ours)]
+            assert found[0] == found[1]
+    assert theirs.model.SerializeToString() == ours.model.SerializeToString()
