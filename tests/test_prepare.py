@@ -223,6 +223,58 @@ def test_folding_skips_shape_inference_only_where_it_would_change_nothing(export
     assert 0 < sum(inferred.values()) < every_node, (sum(inferred.values()), every_node)
 
 
+@pytest.mark.parametrize("export", ["tf_same_padding", "nhwc_export", "paddle_head", "grid_detector"])
+def test_folds_sharing_their_inferences_fold_as_inferring_every_node_each_time(export, monkeypatch):
+    """Symbolic dims (nothing pinned): a node whose inference would read what it read last time is
+    not inferred again, across the folds of one canonicalization; the graphs are the same as
+    with onnxscript's inference on every node at every step."""
+    model = toy_models.build_export(export)
+    calls = collections.Counter()
+    original_inference = canonical.FoldConstantsPass._do_inference
+
+    def counted(self, node):
+        calls["inferred"] += 1
+        original_inference(self, node)
+
+    monkeypatch.setattr(canonical.FoldConstantsPass, "_do_inference", counted)
+
+    def folded(shared: bool) -> bytes:
+        work = ir.serde.deserialize_model(model)
+        inferred = {} if shared else None
+        with monkeypatch.context() as patch:
+            if not shared:
+                patch.setattr(canonical._FoldConstantsKnownShapesPass, "_do_inference", counted)
+            for _ in range(3):
+                canonical._fold(work, inferred)
+        return ir.serde.serialize_model(work).SerializeToString()
+
+    calls.clear()
+    expected = folded(shared=False)
+    every_node = calls["inferred"]
+    calls.clear()
+    assert folded(shared=True) == expected
+    assert 0 < calls["inferred"] < every_node, (calls["inferred"], every_node)
+
+
+def test_an_inference_is_made_again_when_a_constant_or_attribute_it_reads_is_replaced():
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["N", 4]))
+    shape = ir.Value(name="shape", const_value=ir.tensor(np.array([-1, 2, 2], np.int64)))
+    node = ir.node("Reshape", [x, shape], attributes={"allowzero": 0})
+    last = canonical._inference_reads(node)
+    assert canonical._same_inference_reads(last, canonical._inference_reads(node))
+    shape.const_value = ir.tensor(np.array([-1, 2, 2], np.int64))  # equal values, a new tensor
+    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
+    last = canonical._inference_reads(node)
+    node.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
+    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
+    last = canonical._inference_reads(node)
+    x.shape = ir.Shape([8, 4])
+    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
+    last = canonical._inference_reads(node)
+    node.outputs[0].shape = ir.Shape([8, 2, 2])  # someone else's shape on the output: merge again
+    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
+
+
 def test_shape_arithmetic_that_feeds_no_pad_or_resize_pins_nothing_and_every_batch_still_runs():
     """A graph that reads its batch size for something else than padding (here a zero state of the
     batch's size; a beam search's encoder, arabic-name-romanizer 0.2.0) keeps its symbolic dims:
