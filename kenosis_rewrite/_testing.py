@@ -84,12 +84,17 @@ def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
     return next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
 
 
-def ort_optimized_op_types(model: onnx.ModelProto) -> collections.Counter:
-    """Op types of the graph ORT CPU actually runs (ORT_ENABLE_ALL, one thread)."""
+def ort_optimized(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph ORT CPU actually runs (ORT_ENABLE_ALL, one thread)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "optimized.onnx")
         _ort.session(model, _ort.options(1, optimized_path=path))
-        return op_types(onnx.load(path))
+        return onnx.load(path)
+
+
+def ort_optimized_op_types(model: onnx.ModelProto) -> collections.Counter:
+    """Op types of the graph ORT CPU actually runs (ORT_ENABLE_ALL, one thread)."""
+    return op_types(ort_optimized(model))
 
 
 sqnr_db = fidelity.sqnr_db

@@ -118,9 +118,11 @@ def metadata_nodes(model: onnx.ModelProto, metadata_inputs: set[str]) -> list[st
 
 
 def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_paths: bool = True) -> list[str]:
-    """Names of the nodes quantize() must leave in float: every node that reads a tensor computed
+    """Names of the nodes quantize() must leave in float: every node that reads a float tensor computed
     only from ``metadata_inputs``, from tensor shapes (``Shape``/``Size``, index generators; with
     ``shape_paths``) or only from constants by other nodes (anchors, grids, priors generated in the graph).
+    An integer tensor computed so (a Reshape's shape, a Gather's indices) protects nothing where the
+    node's float inputs are data: quantize_static never quantizes it, and the data stays on the grid.
 
     The origins are :func:`passes.shape_arithmetic.value_origins` (one definition for quantize()
     and fix()); on the float model, a tensor computed from constants alone is protected too.
@@ -133,9 +135,18 @@ def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_pat
         if node.op_type == "Constant":
             continue
         inputs = [origins.get(v, Origin.CONSTANT) for v in node.inputs if v is not None]
-        if Origin.SHAPE in inputs or (shape_paths and all(kind is Origin.CONSTANT for kind in inputs)):
+        # quantize_static quantizes float tensors only: a Reshape's shape, a Gather's indices or a
+        # Slice's bounds computed from shapes leave its data input to be quantized
+        data = [origins.get(v, Origin.CONSTANT) for v in node.inputs if v is not None and _may_be_float(v)]
+        reads_shapes = Origin.SHAPE in data or (Origin.SHAPE in inputs and Origin.DATA not in data)
+        if reads_shapes or (shape_paths and all(kind is Origin.CONSTANT for kind in inputs)):
             excluded.append(node.name)
     return [name for name in excluded if name]
+
+
+def _may_be_float(value: ir.Value) -> bool:
+    """False for a value whose type says it holds integers or booleans (never quantized)."""
+    return value.dtype is None or value.dtype.is_floating_point()
 
 
 def unshare_protected_constants(model: onnx.ModelProto, protected: Collection[str]) -> int:

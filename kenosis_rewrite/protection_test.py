@@ -36,3 +36,42 @@ def test_a_constant_shared_with_a_protected_node_is_copied_for_it_only():
     assert float(_testing.initializer(proto, "stride_float")) == 8.0
     onnx.checker.check_model(proto, full_check=True)
     assert unshare_protected_constants(proto, protected) == 0  # nothing shared any more
+
+
+# a CRNN's sequence: the feature map reshaped to [N, C, W] by a shape computed from its own Shape,
+# then one time step gathered by a constant index
+_RUN_TIME_RESHAPE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 4, 2, "W"] x) => (float[1, 8] y)
+<int64[1] c8 = {8}, int64[1] first = {0}, int64 step = {0}, int64[1] minus1 = {-1}, float three = {3.0}>
+{
+  s = Shape(x)
+  n = Gather(s, first)
+  shape = Concat <axis = 0> (n, c8, minus1)
+  seq = Reshape(x, shape)
+  t = Gather <axis = 2> (seq, step)
+  w = Cast <to = 1> (n)
+  scaled = Mul(w, three)
+  y = Mul(t, scaled)
+}"""
+
+
+def test_a_shape_computed_from_shapes_protects_only_the_nodes_whose_float_inputs_it_reaches():
+    proto = onnx.parser.parse_model(_RUN_TIME_RESHAPE)
+    proto = onnx.shape_inference.infer_shapes(proto)
+    for index, node in enumerate(proto.graph.node):
+        node.name = node.name or f"{node.op_type}_{index}"
+    by_output = {node.output[0]: node.name for node in proto.graph.node}
+    protected = set(protected_nodes(proto, set()))
+    # the shape arithmetic, and the Mul that reads a float computed from it, stay float
+    assert {by_output[name] for name in ("n", "shape", "w", "scaled", "y")} <= protected
+    # the Reshape's and the Gather's data are the image's: their int64 shape and index are not quantized anyway
+    assert by_output["seq"] not in protected and by_output["t"] not in protected
+
+
+def test_an_untyped_input_computed_from_shapes_is_taken_for_a_float():
+    proto = onnx.parser.parse_model(_RUN_TIME_RESHAPE)  # no value_info: the shape's type is unknown
+    for index, node in enumerate(proto.graph.node):
+        node.name = node.name or f"{node.op_type}_{index}"
+    reshape = next(node.name for node in proto.graph.node if node.op_type == "Reshape")
+    assert reshape in protected_nodes(proto, set())

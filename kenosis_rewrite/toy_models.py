@@ -325,7 +325,19 @@ def grid_detector(b: ToyBuilder) -> onnx.ModelProto:
     return model
 
 
-EXPORT_TOYS = {f.__name__: f for f in (tf_same_padding, nhwc_export, paddle_head, grid_detector)}
+def crnn_sequence(b: ToyBuilder) -> onnx.ModelProto:
+    """CRNN-style sequence head: the feature map reshaped to [N, C*H, W] by a shape computed from its
+    own Shape (the batch dim read at run time), time-major, and each time step gathered by a constant
+    index into a Gemm (an unrolled recurrent layer's input projections). Batch and width symbolic."""
+    h = b.node("Relu", [b.conv("x", C, 8, stride=2)])  # [N, 8, 4, W/2]
+    batch = b.node("Gather", [b.node("Shape", [h]), b.const(np.array([0], np.int64))])
+    shape = b.node("Concat", [batch, b.const(np.array([32], np.int64)), b.const(np.array([-1], np.int64))], axis=0)
+    sequence = b.node("Transpose", [b.node("Reshape", [h, shape])], perm=[2, 0, 1])  # [W/2, N, 32]
+    steps = [b.gemm(b.node("Gather", [sequence, b.const(np.int64(t))], axis=0), 32, 16) for t in range(3)]
+    return b.model({"x": ["N", C, 8, "W"]}, b.node("Add", [b.node("Add", steps[:2]), steps[2]]))
+
+
+EXPORT_TOYS = {f.__name__: f for f in (tf_same_padding, nhwc_export, paddle_head, grid_detector, crnn_sequence)}
 
 
 def build_export(name: str, seed: int = 0) -> onnx.ModelProto:
