@@ -135,13 +135,23 @@ def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_pat
         if node.op_type == "Constant":
             continue
         inputs = [origins.get(v, Origin.CONSTANT) for v in node.inputs if v is not None]
-        # quantize_static quantizes float tensors only: a Reshape's shape, a Gather's indices or a
-        # Slice's bounds computed from shapes leave its data input to be quantized
-        data = [origins.get(v, Origin.CONSTANT) for v in node.inputs if v is not None and _may_be_float(v)]
+        # quantize_static quantizes float tensors only, and of a data-movement op only the data: a
+        # Reshape's shape, a Gather's indices, a Resize's scales computed from shapes leave the data
+        # input to be quantized
+        read = node.inputs[:1] if node.op_type in _FIRST_INPUT_QUANTIZED else node.inputs
+        data = [origins.get(v, Origin.CONSTANT) for v in read if v is not None and _may_be_float(v)]
         reads_shapes = Origin.SHAPE in data or (Origin.SHAPE in inputs and Origin.DATA not in data)
         if reads_shapes or (shape_paths and all(kind is Origin.CONSTANT for kind in inputs)):
             excluded.append(node.name)
     return [name for name in excluded if name]
+
+
+# ops whose first input is the only one quantize_static quantizes (onnxruntime 1.32's QDQ registry:
+# QDQDirect8BitOp, QDQResize, QDQMaxPool, QDQSplit, QDQGather)
+_FIRST_INPUT_QUANTIZED = frozenset({
+    "AveragePool", "Flatten", "Gather", "GatherElements", "MaxPool", "Reshape", "Resize", "Slice", "Split",
+    "Squeeze", "TopK", "Transpose", "Unsqueeze",
+})
 
 
 def _may_be_float(value: ir.Value) -> bool:

@@ -70,8 +70,37 @@ def test_a_shape_computed_from_shapes_protects_only_the_nodes_whose_float_inputs
 
 
 def test_an_untyped_input_computed_from_shapes_is_taken_for_a_float():
-    proto = onnx.parser.parse_model(_RUN_TIME_RESHAPE)  # no value_info: the shape's type is unknown
+    # Expand(data, shape): without value_info nothing says the shape is int64
+    text = _RUN_TIME_RESHAPE.replace("seq = Reshape(x, shape)", "seq = Expand(x, shape)")
+    typed = onnx.shape_inference.infer_shapes(onnx.parser.parse_model(text))
+    untyped = onnx.parser.parse_model(text)
+    for proto in (typed, untyped):
+        for index, node in enumerate(proto.graph.node):
+            node.name = node.name or f"{node.op_type}_{index}"
+    assert "Expand_3" not in protected_nodes(typed, set())
+    assert "Expand_3" in protected_nodes(untyped, set())
+
+
+# an old export's upsampling: float scales computed from the feature map's and the target's shapes
+_RUN_TIME_SCALES = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 4, "H", "W"] x, float[1, 4, "H2", "W2"] skip) => (float[1, 4, "H2", "W2"] y)
+{
+  small_shape = Shape(x)
+  small = Cast <to = 1> (small_shape)
+  large_shape = Shape(skip)
+  large = Cast <to = 1> (large_shape)
+  scales = Div(large, small)
+  up = Resize <mode = "nearest"> (x, , scales)
+  y = Add(up, skip)
+}"""
+
+
+def test_a_resize_whose_float_scales_come_from_shapes_still_has_its_data_quantized():
+    proto = onnx.shape_inference.infer_shapes(onnx.parser.parse_model(_RUN_TIME_SCALES))
     for index, node in enumerate(proto.graph.node):
         node.name = node.name or f"{node.op_type}_{index}"
-    reshape = next(node.name for node in proto.graph.node if node.op_type == "Reshape")
-    assert reshape in protected_nodes(proto, set())
+    by_output = {node.output[0]: node.name for node in proto.graph.node}
+    protected = set(protected_nodes(proto, set()))
+    assert by_output["scales"] in protected  # the float arithmetic on shapes stays float
+    assert by_output["up"] not in protected and by_output["y"] not in protected
