@@ -152,7 +152,8 @@ def _self_calibrated(calibration) -> bool:
 
 def _feeds(model: onnx.ModelProto, calibration, samples: int, seed: int) -> tuple[list[dict], str]:
     if _self_calibrated(calibration):
-        return calib.synthetic_feeds(model, samples, seed), f"synthetic ({samples} samples)"
+        feeds, sizes = calib.runnable_synthetic_feeds(model, samples, seed)
+        return feeds, f"synthetic ({samples} samples{'; ' + sizes if sizes else ''})"
     if isinstance(calibration, (str, os.PathLike)):
         feeds = list(calib.image_feeds(model, sorted(p for p in _image_paths(calibration)), n=samples, seed=seed))
         if not feeds:

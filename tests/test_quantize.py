@@ -409,19 +409,20 @@ def test_unmeasured_borrowed_ranges_give_the_same_model_byte_for_byte(monkeypatc
 
 
 def test_self_calibration_at_sizes_the_model_cannot_run_says_what_to_pass():
-    """A text recognizer's symbolic height must be 32; self-calibration's images are 224 high."""
+    """A graph whose symbolic height and width must both be 33 (a Reshape to 33 * 33 values): no
+    made-up image size runs it (224, nor any of the other sizes tried), so calibration says what to pass."""
     b = toy_models.ToyBuilder(seed=2)
     h = b.conv("x", 3, 4)
-    flat = b.node("Reshape", [h, b.const(np.array([1, 4, 32 * 32], np.int64), "shape")])
-    model = b.model({"x": [1, 3, 32, 32]}, flat)
+    flat = b.node("Reshape", [h, b.const(np.array([1, 4, 33 * 33], np.int64), "shape")])
+    model = b.model({"x": [1, 3, 33, 33]}, flat)
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
     model.graph.input[0].type.tensor_type.shape.dim[3].dim_param = "width"
     with pytest.raises(kenosis_rewrite.calibration.CalibrationError,
                        match=r"Self-calibration made up .*x \[1, 3, 224, 224\].*pass calibration feeds"):
         quantize(model)
-    feeds = [{"x": np.random.default_rng(i).normal(size=(1, 3, 32, 32)).astype(np.float32)} for i in range(4)]
+    feeds = [{"x": np.random.default_rng(i).normal(size=(1, 3, 33, 33)).astype(np.float32)} for i in range(4)]
     quantized = quantize(model, feeds)
-    assert _testing.outputs(quantized, feeds[0])[0].shape == (1, 4, 32 * 32)
+    assert _testing.outputs(quantized, feeds[0])[0].shape == (1, 4, 33 * 33)
 
 
 def test_gemm_with_a_row_bias_is_quantized():

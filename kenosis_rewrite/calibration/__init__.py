@@ -26,6 +26,7 @@ from kenosis_rewrite.calibration.inputs import (
     infer_inputs,
     iter_synthetic_feeds,
     natural_image,
+    runnable_synthetic_feeds,
     synthetic_feeds,
 )
 from kenosis_rewrite.calibration.readers import StreamingReader, calibration_reader, image_feeds
@@ -33,6 +34,6 @@ from kenosis_rewrite.calibration.readers import StreamingReader, calibration_rea
 __all__ = [
     "CalibrationError", "TensorRanges", "calibrated_tensors", "collect_histograms", "collect_ranges",
     "model_hash", "quantize_with_ranges", "METHODS", "PercentileTails", "StreamingHistogram", "range_from_histogram",
-    "InputSpec", "describe", "infer_inputs", "iter_synthetic_feeds", "natural_image", "synthetic_feeds",
-    "StreamingReader", "calibration_reader", "image_feeds",
+    "InputSpec", "describe", "infer_inputs", "iter_synthetic_feeds", "natural_image", "runnable_synthetic_feeds",
+    "synthetic_feeds", "StreamingReader", "calibration_reader", "image_feeds",
 ]

@@ -49,7 +49,7 @@ from kenosis_rewrite.calibration.collect import CalibrationError, _float_proto, 
 from kenosis_rewrite.errors import one_line
 
 __all__ = ["InputSpec", "infer_inputs", "synthetic_feeds", "iter_synthetic_feeds", "natural_image",
-           "CANDIDATE_PREPROCESSING", "describe"]
+           "CANDIDATE_PREPROCESSING", "describe", "runnable_synthetic_feeds"]
 
 IMAGE_SIZE = 224
 SEQUENCE_LENGTH = 128
@@ -153,7 +153,8 @@ def _first_conv(graph: _Graph, name: str) -> tuple[onnx.NodeProto, list, list] |
 def _dims(value: onnx.ValueInfoProto) -> list[int | str | None]:
     dims = []
     for dim in value.type.tensor_type.shape.dim:
-        dims.append(dim.dim_value if dim.dim_value > 0 else (dim.dim_param or None))
+        # "?" is a Paddle export's unknown dim, not one name shared by every dim it marks
+        dims.append(dim.dim_value if dim.dim_value > 0 else (dim.dim_param if dim.dim_param not in ("", "?") else None))
     return dims
 
 
@@ -550,6 +551,78 @@ def iter_synthetic_feeds(model: _io.ModelLike, n: int, seed: int = 0,
 def synthetic_feeds(model: _io.ModelLike, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """``n`` valid synthetic feed dicts for ``model``, inferred from the graph (module docstring)."""
     return list(iter_synthetic_feeds(model, n, seed))
+
+
+# image sizes tried, in order, where a model does not run at IMAGE_SIZE x IMAGE_SIZE: squares first,
+# then each dynamic side widened while the other keeps a size that runs (a text-line recognizer whose
+# height must pool down to 1: PP-OCRv2 rec runs at 32 x 320)
+OTHER_IMAGE_SIDES = (320, 256, 640, 160, 96, 64, 48, 32)
+_WIDER_SIDES = (320, 224)
+
+
+def runnable_synthetic_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], str]:
+    """:func:`synthetic_feeds`, at image sizes the model runs at: ``(feeds, how the size was chosen)``.
+
+    An image input whose height and width are dynamic gets ``IMAGE_SIZE`` on both; where the model
+    does not run on such a feed (ONNX Runtime, basic optimizations), the sizes of
+    ``OTHER_IMAGE_SIDES`` are tried, then each side of the first that runs is widened. Other inputs,
+    and images of fixed size, are as :func:`synthetic_feeds` makes them; a model that runs at none of
+    the sizes gets the default ones (calibration then says it does not run)."""
+    specs = infer_inputs(model, seed)
+    image = next((spec for spec in specs if spec.kind == "image"), None)
+    default = list(iter_synthetic_feeds(model, n, seed, specs))
+    value = next((v for v in _graph_inputs(model) if image is not None and v.name == image.name), None)
+    if value is None:
+        return default, ""
+    dims = _dims(value)
+    spatial = (2, 3) if image.layout == "NCHW" else (1, 2)
+    dynamic = [axis for axis in spatial if not isinstance(dims[axis], int)]
+    if not dynamic:
+        return default, ""
+    try:
+        session = _ort.session(model, _ort.options(1, level="basic", log_severity=4))  # refusals are expected
+    except Exception:  # noqa: BLE001 - a model ONNX Runtime cannot load: calibration says why
+        return default, ""
+
+    def feeds_at(hw: tuple[int, int], count: int) -> list[dict[str, np.ndarray]]:
+        shape = list(image.shape)
+        shape[spatial[0]], shape[spatial[1]] = hw
+        resized = [dataclasses.replace(spec, shape=tuple(shape)) if spec is image else spec for spec in specs]
+        return list(iter_synthetic_feeds(model, count, seed, resized))
+
+    def runs(hw: tuple[int, int]) -> bool:
+        try:
+            session.run(None, feeds_at(hw, 1)[0])
+        except Exception:  # noqa: BLE001 - any refusal: another size
+            return False
+        return True
+
+    shape = image.shape
+    chosen = (shape[spatial[0]], shape[spatial[1]])
+    if runs(chosen):
+        return default, ""
+    tried = [chosen]
+    found = None
+    for side in OTHER_IMAGE_SIDES:
+        hw = tuple(side if axis in dynamic else chosen[i] for i, axis in enumerate(spatial))
+        if hw in tried:
+            continue
+        tried.append(hw)
+        if runs(hw):
+            found = hw
+            break
+    if found is None:
+        return default, ""
+    for i, axis in enumerate(spatial):
+        if axis not in dynamic:
+            continue
+        for side in _WIDER_SIDES:
+            wider = tuple(side if j == i else found[j] for j in range(2))
+            if side > found[i] and runs(wider):
+                found = wider
+                break
+    return feeds_at(found, n), (f"made-up image size {found[0]} x {found[1]} (the model does not run at "
+                                f"{chosen[0]} x {chosen[1]})")
 
 
 def describe(specs: list[InputSpec]) -> str:
