@@ -94,18 +94,32 @@ def _measure_shapes(model: ir.Model, values: list[ir.Value], directory: str, not
     stub = onnx.ModelProto(graph=onnx.GraphProto(input=[ir.serde.serialize_value(v) for v in inputs]))
     added = [v for v in values if not v.is_graph_output()]
     try:
-        feed = fidelity.random_feeds(stub, 1)[0]
         model.graph.outputs.extend(added)
         try:
             path = write_model(model, directory, "shapes")
         finally:
             for _ in added:
                 model.graph.outputs.pop()
-        session = _ort.session(path, _ort.options(1, level="none"))
-        arrays = session.run([v.name for v in values], feed)
+        # refusals at a made-up size are expected (the next size is tried): not logged
+        session = _ort.session(path, _ort.options(1, level="none", log_severity=4))
     except Exception as error:  # noqa: BLE001 - ORT and onnx raise several types; the note keeps the cause
+        notes.append(f"MACs undercounted: {len(values)} heavy-op tensors have no static shape and the model "
+                     f"does not load to measure them ({one_line(error)}); their unknown dims count as 1")
+        return
+    # the dynamic dims at the default size, then at the other sizes the run-time guard tries (a
+    # recognizer whose height must pool to one row does not run at 224)
+    first_failure = None
+    sizes = [None, *fidelity.OTHER_DYNAMIC_SIZES] if fidelity.has_dynamic_dims(stub) else [None]
+    for size in sizes:
+        feed = fidelity.random_feeds(stub, 1, size=size)[0]
+        try:
+            arrays = session.run([v.name for v in values], feed)
+            break
+        except Exception as error:  # noqa: BLE001 - another size may run
+            first_failure = first_failure or error
+    else:
         notes.append(f"MACs undercounted: {len(values)} heavy-op tensors have no static shape and running the "
-                     f"model to measure them failed ({one_line(error)}); their unknown dims count as 1")
+                     f"model to measure them failed ({one_line(first_failure)}); their unknown dims count as 1")
         return
     for value, array in zip(values, arrays):
         value.shape = ir.Shape(array.shape)
