@@ -555,7 +555,7 @@ def synthetic_feeds(model: _io.ModelLike, n: int, seed: int = 0) -> list[dict[st
 
 # image sizes tried, in order, where a model does not run at IMAGE_SIZE x IMAGE_SIZE: squares first,
 # then each dynamic side widened while the other keeps a size that runs (a text-line recognizer whose
-# height must pool down to 1: PP-OCRv2 rec runs at 32 x 320)
+# height must pool down to 1: PP-OCRv2 rec runs at heights 32-63, and calibrates at 48 x 320)
 OTHER_IMAGE_SIDES = (320, 256, 640, 160, 96, 64, 48, 32)
 _WIDER_SIDES = (320, 224)
 
@@ -570,19 +570,18 @@ def runnable_synthetic_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> t
     the sizes gets the default ones (calibration then says it does not run)."""
     specs = infer_inputs(model, seed)
     image = next((spec for spec in specs if spec.kind == "image"), None)
-    default = list(iter_synthetic_feeds(model, n, seed, specs))
     value = next((v for v in _graph_inputs(model) if image is not None and v.name == image.name), None)
     if value is None:
-        return default, ""
+        return list(iter_synthetic_feeds(model, n, seed, specs)), ""
     dims = _dims(value)
     spatial = (2, 3) if image.layout == "NCHW" else (1, 2)
     dynamic = [axis for axis in spatial if not isinstance(dims[axis], int)]
     if not dynamic:
-        return default, ""
+        return list(iter_synthetic_feeds(model, n, seed, specs)), ""
     try:
         session = _ort.session(model, _ort.options(1, level="basic", log_severity=4))  # refusals are expected
     except Exception:  # noqa: BLE001 - a model ONNX Runtime cannot load: calibration says why
-        return default, ""
+        return list(iter_synthetic_feeds(model, n, seed, specs)), ""
 
     def feeds_at(hw: tuple[int, int], count: int) -> list[dict[str, np.ndarray]]:
         shape = list(image.shape)
@@ -600,7 +599,7 @@ def runnable_synthetic_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> t
     shape = image.shape
     chosen = (shape[spatial[0]], shape[spatial[1]])
     if runs(chosen):
-        return default, ""
+        return feeds_at(chosen, n), ""
     tried = [chosen]
     found = None
     for side in OTHER_IMAGE_SIDES:
@@ -612,7 +611,7 @@ def runnable_synthetic_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> t
             found = hw
             break
     if found is None:
-        return default, ""
+        return feeds_at(chosen, n), ""
     for i, axis in enumerate(spatial):
         if axis not in dynamic:
             continue
