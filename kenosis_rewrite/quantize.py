@@ -146,6 +146,11 @@ def _gemm_row_biases_as_vectors(model: ir.Model, report: FixReport) -> None:
         report.note(f"quantize: Gemm {node.name!r} bias {list(bias.const_value.shape)} read as [{vector.size}] for quantize_static")
 
 
+def _exclude(options: dict, names: Iterable[str]) -> None:
+    """Add ``names`` to quantize_static's ``nodes_to_exclude`` (in order, each once)."""
+    options["nodes_to_exclude"] = list(dict.fromkeys([*options.get("nodes_to_exclude", ()), *names]))
+
+
 def _self_calibrated(calibration) -> bool:
     return calibration is None or (isinstance(calibration, str) and calibration == "synthetic")
 
@@ -516,7 +521,7 @@ def quantize(
     excluded = protected_nodes(proto, metadata)
     unshare_protected_constants(proto, excluded)
     if excluded or planned_exclusions:
-        options["nodes_to_exclude"] = list(dict.fromkeys([*excluded, *planned_exclusions]))
+        _exclude(options, [*excluded, *planned_exclusions])
         for name in excluded:
             report.changed(METADATA_RULE, name, "reads a tensor computed from metadata inputs, tensor shapes or "
                            "only constants: not quantized", exact=True)
@@ -553,7 +558,7 @@ def quantize(
         for name, reason in mixed.items():
             report.changed(MIXED_OUTPUT_CONCAT_RULE, name, reason, exact=True)
         if mixed:
-            options["nodes_to_exclude"] = list(dict.fromkeys([*options.get("nodes_to_exclude", ()), *mixed]))
+            _exclude(options, mixed)
     if share_concat_ranges and chosen_plan == "full":  # the weighted plan leaves Concats float
         ranges = _shared_concat_ranges(proto, ranges, options.get("nodes_to_exclude", ()), report)
     # the final fidelity's runs of the model as given, on the core quantize_static's Python leaves
