@@ -23,10 +23,18 @@ g (float[1, 2, 4, "W"] x) => (float[1, 2, 4, "W"] y)
 }"""
 
 
-def test_a_constant_shared_with_a_protected_node_is_copied_for_it_only():
-    proto = onnx.parser.parse_model(_SHARED_STRIDE)
+def _parsed(text: str, typed: bool = True) -> onnx.ModelProto:
+    """The model of ``text`` (with its values' types inferred unless ``typed`` is False), every node named."""
+    proto = onnx.parser.parse_model(text)
+    if typed:
+        proto = onnx.shape_inference.infer_shapes(proto)
     for index, node in enumerate(proto.graph.node):
         node.name = node.name or f"{node.op_type}_{index}"
+    return proto
+
+
+def test_a_constant_shared_with_a_protected_node_is_copied_for_it_only():
+    proto = _parsed(_SHARED_STRIDE, typed=False)
     protected = protected_nodes(proto, set())
     grid_mul = next(n for n in proto.graph.node if n.output[0] == "grid")
     offsets_mul = next(n for n in proto.graph.node if n.output[0] == "offsets")
@@ -57,10 +65,7 @@ g (float[1, 4, 2, "W"] x) => (float[1, 8] y)
 
 
 def test_a_shape_computed_from_shapes_protects_only_the_nodes_whose_float_inputs_it_reaches():
-    proto = onnx.parser.parse_model(_RUN_TIME_RESHAPE)
-    proto = onnx.shape_inference.infer_shapes(proto)
-    for index, node in enumerate(proto.graph.node):
-        node.name = node.name or f"{node.op_type}_{index}"
+    proto = _parsed(_RUN_TIME_RESHAPE)
     by_output = {node.output[0]: node.name for node in proto.graph.node}
     protected = set(protected_nodes(proto, set()))
     # the shape arithmetic, and the Mul that reads a float computed from it, stay float
@@ -72,11 +77,7 @@ def test_a_shape_computed_from_shapes_protects_only_the_nodes_whose_float_inputs
 def test_an_untyped_input_computed_from_shapes_is_taken_for_a_float():
     # Expand(data, shape): without value_info nothing says the shape is int64
     text = _RUN_TIME_RESHAPE.replace("seq = Reshape(x, shape)", "seq = Expand(x, shape)")
-    typed = onnx.shape_inference.infer_shapes(onnx.parser.parse_model(text))
-    untyped = onnx.parser.parse_model(text)
-    for proto in (typed, untyped):
-        for index, node in enumerate(proto.graph.node):
-            node.name = node.name or f"{node.op_type}_{index}"
+    typed, untyped = _parsed(text), _parsed(text, typed=False)
     assert "Expand_3" not in protected_nodes(typed, set())
     assert "Expand_3" in protected_nodes(untyped, set())
 
@@ -97,9 +98,7 @@ g (float[1, 4, "H", "W"] x, float[1, 4, "H2", "W2"] skip) => (float[1, 4, "H2", 
 
 
 def test_a_resize_whose_float_scales_come_from_shapes_still_has_its_data_quantized():
-    proto = onnx.shape_inference.infer_shapes(onnx.parser.parse_model(_RUN_TIME_SCALES))
-    for index, node in enumerate(proto.graph.node):
-        node.name = node.name or f"{node.op_type}_{index}"
+    proto = _parsed(_RUN_TIME_SCALES)
     by_output = {node.output[0]: node.name for node in proto.graph.node}
     protected = set(protected_nodes(proto, set()))
     assert by_output["scales"] in protected  # the float arithmetic on shapes stays float

@@ -337,7 +337,23 @@ def crnn_sequence(b: ToyBuilder) -> onnx.ModelProto:
     return b.model({"x": ["N", C, 8, "W"]}, b.node("Add", [b.node("Add", steps[:2]), steps[2]]))
 
 
-EXPORT_TOYS = {f.__name__: f for f in (tf_same_padding, nhwc_export, paddle_head, grid_detector, crnn_sequence)}
+def text_line_recognizer(b: ToyBuilder) -> onnx.ModelProto:
+    """A recognizer as Paddle exports one: ``[1, 3, "?", "?"]``, its height pooled by 32 and squeezed,
+    so it runs only at heights 32-63 (any width); a MatMul reads each column."""
+    h = b.node("Relu", [b.conv("x", 3, 8)])
+    h = b.node("MaxPool", [h], kernel_shape=[32, 1], strides=[32, 1])
+    h = b.node("Squeeze", [h, b.const(np.array([2], np.int64))])  # [1, 8, W]: one row left
+    h = b.matmul(b.node("Transpose", [h], perm=[0, 2, 1]), 8, 5)
+    graph = helper.make_graph(b.nodes, "rec", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "?", "?"])],
+                              [helper.make_tensor_value_info(h, TensorProto.FLOAT, [1, None, 5])], b.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+EXPORT_TOYS = {f.__name__: f for f in (tf_same_padding, nhwc_export, paddle_head, grid_detector, crnn_sequence,
+                                       text_line_recognizer)}
 
 
 def build_export(name: str, seed: int = 0) -> onnx.ModelProto:

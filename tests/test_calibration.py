@@ -387,27 +387,11 @@ def test_synthetic_feeds_nhwc_image_with_in_graph_normalisation_gets_raw_pixels(
     assert image.shape == (1, 224, 224, 3) and image.min() >= 0 and image.max() <= 255 and image.max() > 100
 
 
-def _text_line_recognizer() -> onnx.ModelProto:
-    """A recognizer as Paddle exports one: ``[1, 3, "?", "?"]``, its height pooled by 32 and squeezed,
-    so it runs only at heights 32-63 (any width)."""
-    b = toy_models.ToyBuilder(seed=3)
-    h = b.node("Relu", [b.conv("x", 3, 8)])
-    h = b.node("MaxPool", [h], kernel_shape=[32, 1], strides=[32, 1])
-    h = b.node("Squeeze", [h, b.const(np.array([2], np.int64))])  # [1, 8, W]: one row left
-    h = b.node("MatMul", [b.node("Transpose", [h], perm=[0, 2, 1]), b.const(np.random.default_rng(0).normal(
-        0, 0.3, (8, 5)).astype(np.float32))])
-    graph = helper.make_graph(b.nodes, "rec", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "?", "?"])],
-                              [helper.make_tensor_value_info(h, TensorProto.FLOAT, [1, None, 5])], b.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
 def test_self_calibration_finds_an_image_size_the_model_runs_at():
     from kenosis_rewrite.calibration import runnable_synthetic_feeds
     from kenosis_rewrite.quantize import quantize
 
-    model = _text_line_recognizer()
+    model = toy_models.build_export("text_line_recognizer")
     (spec,) = infer_inputs(model)
     assert spec.shape == (1, 3, 224, 224)  # "?" and "?" are two dims, not one name: 224 each by default
     feeds, how = runnable_synthetic_feeds(model, 3)

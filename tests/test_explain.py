@@ -488,17 +488,8 @@ def test_runtime_shapes_count_macs_as_static_and_name_float_pad_islands():
 def test_macs_of_a_model_that_runs_only_at_some_sizes_are_measured_at_one():
     """A recognizer whose height must pool to one row (``[1, 3, "?", "?"]``, MaxPool 32 high, Squeeze)
     refuses the made-up 224 x 224: its MACs are measured at another size, not undercounted."""
+    model = toy_models.build_export("text_line_recognizer")
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32), "w"),
-             numpy_helper.from_array(np.array([2], np.int64), "axes"),
-             numpy_helper.from_array(rng.normal(0, 0.3, (8, 5)).astype(np.float32), "m")]
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
-             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[32, 1], strides=[32, 1]),
-             helper.make_node("Squeeze", ["p", "axes"], ["s"]), helper.make_node("Transpose", ["s"], ["t"], perm=[0, 2, 1]),
-             helper.make_node("MatMul", ["t", "m"], ["y"])]
-    graph = helper.make_graph(nodes, "rec", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "?", "?"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     feeds = [{"x": rng.standard_normal((1, 3, 32, 96)).astype(np.float32)} for _ in range(2)]
     report = explain(ort_quantize.quantize_with_ort(model, feeds, "u8s8"))
     assert not any("undercounted" in note for note in report.notes), report.notes
