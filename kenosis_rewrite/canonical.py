@@ -2,11 +2,12 @@
 
 ``prepare(model, feeds)`` runs, in order:
 
-1. **Input shapes** (``pin-input-shapes``): when a Pad or Resize computes its parameters from the
-   shape of a tensor (TF-style "same" padding, an upsampling to a computed size) and an input has
-   symbolic dims, the dims are pinned to the shapes in use (``input_shapes``, or the feeds' shapes
-   where every feed agrees) so the shape arithmetic folds: the spatial dims first, the batch only
-   if a computed Pad/Resize remains. The prepared model then accepts only those shapes; the report
+1. **Input shapes** (``pin-input-shapes``): when a Pad computes its parameters from the shape of a
+   tensor (TF-style "same" padding), or a Resize of a table computed from constants does (a ViT's
+   position embeddings resized to its patch grid), and an input has symbolic dims, the dims are
+   pinned to the shapes in use (``input_shapes``, or the feeds' shapes where every feed agrees) so
+   the shape arithmetic folds: the spatial dims first, the batch only if such a Pad/Resize remains.
+   A Resize of data to a computed size pins nothing (:func:`computed_layout_parameters`). The prepared model then accepts only those shapes; the report
    says which dims were pinned. Shape arithmetic anywhere else (a recurrent state's batch size, an
    attention mask's length, a detector's anchors) pins nothing: the model keeps accepting every
    shape, and quantize() keeps that arithmetic float (``float-shape-arithmetic``).
@@ -64,6 +65,7 @@ from onnxscript.rewriter.rules.common import fuse_hardswish_rules, no_op_transpo
 from kenosis_rewrite import _io, _ort, fidelity
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.ort_quantize import quiet_logger
+from kenosis_rewrite.passes.shape_arithmetic import Origin, value_origins
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.channel_affine import channel_affine_rules
 from kenosis_rewrite.rules.gemm_addend import gemm_addend_rules
@@ -101,21 +103,31 @@ def _reads_shapes(model: ir.Model) -> bool:
     return any(node.op_type in _SHAPE_READERS for node in model.graph.all_nodes())
 
 
-# the parameter inputs of the data-path ops whose run-time values keep a quantized graph from fusing:
-# a Pad that cannot move into its Conv (TF "same" padding), a Resize of computed size
+# the parameter inputs of the layout ops whose run-time values keep a quantized graph from fusing: a
+# Pad that cannot move into its Conv (TF "same" padding), a Resize of a table the graph computes from
+# constants and shapes (a ViT's position embeddings resized to its patch grid: it folds away once the
+# shapes are known)
 _LAYOUT_PARAMETERS = {"Pad": (1, 2), "Resize": (1, 2, 3), "Upsample": (1,)}
 
 
 def computed_layout_parameters(model: ir.Model) -> list[str]:
     """The Pad/Resize/Upsample nodes (names) whose parameters the graph computes at run time: what
     pinning input shapes is for. A graph that reads shapes only for anything else (a recurrent
-    state's batch size, an attention mask's length, anchors) folds nothing a quantizer needs there."""
-    found = []
+    state's batch size, an attention mask's length, anchors) folds nothing a quantizer needs there;
+    nor does a Resize of data to a computed size (``interpolate(size=y.shape[2:])``): it runs the
+    same quantized (the same Q/DQ in ORT's optimized graph, with ``shape-of-codes``; the fuzz's
+    dynamic-batch graphs), and pinned, the model would refuse every other batch and image size."""
+    found, origins = [], None
     for node in model.graph.all_nodes():
         indices = _LAYOUT_PARAMETERS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if indices and any(index < len(node.inputs) and node.inputs[index] is not None
-                           and node.inputs[index].const_value is None for index in indices):
-            found.append(node.name or node.op_type)
+        if not indices or not any(index < len(node.inputs) and node.inputs[index] is not None
+                                  and node.inputs[index].const_value is None for index in indices):
+            continue
+        if node.op_type != "Pad":
+            origins = value_origins(model.graph) if origins is None else origins
+            if origins.get(node.inputs[0]) is Origin.DATA:
+                continue
+        found.append(node.name or node.op_type)
     return found
 
 

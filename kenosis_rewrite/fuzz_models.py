@@ -2,7 +2,9 @@
 
 :func:`random_float_model` draws, from one ``np.random.Generator``, a CNN (rank-4) or MLP
 (rank-2/3) graph of weighted layers, activations, residuals, pooling, resizing and layout ops,
-with calibration feeds; the same generator state gives the same model.
+with calibration feeds; the same generator state gives the same model. With ``dynamic_batch``
+the model is then written as an exporter with a dynamic batch writes it (:func:`as_dynamic_export`):
+the shape arithmetic runs in the graph.
 """
 
 from __future__ import annotations
@@ -510,12 +512,16 @@ def _check_shapes(model: onnx.ModelProto) -> None:
             raise AssertionError(f"generator shape bug: {value.name} inferred {dims}, tracked {declared}")
 
 
-def random_float_model(rng: np.random.Generator, softmax_head: bool = False) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+def random_float_model(rng: np.random.Generator, softmax_head: bool = False,
+                       dynamic_batch: bool = False) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
     """A small random valid FP32 model and 6 feeds (first 4: calibration, last 2: evaluation).
 
     Opset 13..21; one model in eight has about half its constants as Constant nodes. CNN bodies (Conv/ConvTranspose/BN/activations/residuals/pools/Resize/shape ops)
     or MLP bodies (Gemm/MatMul/Add/activations/reshapes); one or two graph outputs with static shapes;
-    one model in four ends in a Softmax head (:func:`_with_softmax_head`).
+    ``softmax_head``: the first output is a Softmax head (:func:`_with_softmax_head`).
+    ``dynamic_batch``: the batch dim is symbolic and the shapes are computed in the graph
+    (:func:`as_dynamic_export`, drawn from its own stream: the body and feeds are the static model's).
+    The feeds have batch 1.
     """
     opset = int(rng.integers(13, 22))
     b = _Builder(rng, opset, constant_nodes=bool(rng.random() < 0.12))
@@ -523,6 +529,169 @@ def random_float_model(rng: np.random.Generator, softmax_head: bool = False) -> 
     outputs = _choose_outputs(b, last)
     model = _assemble(b, x, _with_softmax_head(b, outputs, rng) if softmax_head else outputs)
     _check_shapes(model)
+    if dynamic_batch:
+        model = as_dynamic_export(model, np.random.Generator(rng.bit_generator.jumped(2)))
     onnx.checker.check_model(model, full_check=True)
     feeds = [{x.name: rng.standard_normal(x.shape).astype(np.float32)} for _ in range(N_FEEDS)]
     return model, feeds
+
+
+# ---- as exported with a dynamic batch ------------------------------------------------------
+
+BATCH = "batch"
+
+
+class _ShapeArithmetic:
+    """Appends the nodes an exporter writes to compute shapes at run time (``Shape -> Slice/Gather
+    -> Concat``), uniquely named."""
+
+    def __init__(self, taken: set[str]):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._taken = taken
+        self._count = 0
+
+    def name(self, base: str) -> str:
+        while True:
+            self._count += 1
+            name = f"dyn_{base}_{self._count}"
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    def i64(self, values) -> str:
+        name = self.name("i64")
+        self.initializers.append(numpy_helper.from_array(np.asarray(values, np.int64), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], **attrs) -> str:
+        out = self.name(op.lower())
+        self.nodes.append(helper.make_node(op, inputs, [out], name=self.name(f"n_{op}"), **attrs))
+        return out
+
+    def dims(self, tensor: str, start: int, end: int) -> str:
+        """``tensor.shape[start:end]`` at run time."""
+        return self.node("Slice", [self.node("Shape", [tensor]), self.i64([start]), self.i64([end])])
+
+    def batch_then(self, tensor: str, rest, rng: np.random.Generator) -> str:
+        """``[tensor.shape[0], *rest]``: ``x.view(x.size(0), ...)``, Sliced or Gathered and Unsqueezed."""
+        if rng.random() < 0.5:
+            batch = self.dims(tensor, 0, 1)
+        else:
+            scalar = self.node("Gather", [self.node("Shape", [tensor]), self.i64(0)], axis=0)
+            batch = self.node("Unsqueeze", [scalar, self.i64([0])])
+        return self.node("Concat", [batch, self.i64(rest)], axis=0)
+
+
+def _constant_arrays(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    arrays = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            arrays[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return arrays
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    values = [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+    return {v.name: tuple(d.dim_value for d in v.type.tensor_type.shape.dim) for v in values
+            if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+
+
+def as_dynamic_export(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.ModelProto:
+    """``model`` (static, batch 1) as an exporter with a dynamic batch writes it, computing the same:
+
+    * the inputs' and outputs' first dim is the symbol ``batch``;
+    * a Reshape to a constant shape ``[1, ...]`` reads its shape from its data at run time
+      (``x.view(x.size(0), ...)``: ``Shape -> Slice`` or ``Shape -> Gather -> Unsqueeze``, then
+      ``Concat``), or from an earlier tensor of the target shape (``y.view(x.shape)``), or keeps the
+      batch with a 0 (``[0, ...]``);
+    * a Resize by 2 resizes to a computed size (``interpolate(size=(2 * h, 2 * w))``);
+    * zeros made from a tensor's run-time shape (``ConstantOfShape(Shape(y))``, a recurrent net's
+      initial state) are added to one tensor, and a constant bias is Expanded to a tensor's shape and
+      added to another (the float data the graph computes from shapes).
+    """
+    shapes = _static_shapes(model)
+    constants = _constant_arrays(model)
+    taken = {name for node in model.graph.node for name in [*node.input, *node.output, node.name]}
+    taken.update(init.name for init in model.graph.initializer)
+    taken.update(value.name for value in [*model.graph.input, *model.graph.output])
+    arithmetic = _ShapeArithmetic(taken)
+    outputs = {value.name for value in model.graph.output}
+    produced: list[str] = [value.name for value in model.graph.input]
+    nodes: list[onnx.NodeProto] = []
+    for original in model.graph.node:
+        node = onnx.NodeProto()
+        node.CopyFrom(original)
+        _dynamic_parameters(node, arithmetic, constants, shapes, produced, rng)
+        nodes.extend(arithmetic.nodes)
+        arithmetic.nodes.clear()
+        nodes.append(node)
+        produced.extend(name for name in node.output if name in shapes)
+    inner = [name for name in produced[1:] if name not in outputs]
+    for kind in ("zeros", "expand"):
+        if inner and rng.random() < 0.3:
+            nodes = _add_from_shape(nodes, inner[int(rng.integers(len(inner)))], kind, arithmetic, shapes, rng)
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.node[:]
+    result.graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input}
+    kept = [init for init in result.graph.initializer if init.name in read]  # constant shapes replaced go
+    del result.graph.initializer[:]
+    result.graph.initializer.extend([*kept, *arithmetic.initializers])
+    for value in [*result.graph.input, *result.graph.output]:
+        value.type.tensor_type.shape.dim[0].dim_param = BATCH
+    return result
+
+
+def _dynamic_parameters(node: onnx.NodeProto, arithmetic: _ShapeArithmetic, constants, shapes, produced: list[str],
+                        rng: np.random.Generator) -> None:
+    """A constant Reshape target or Resize scale replaced by its run-time computation (sometimes)."""
+    if node.op_type == "Reshape" and node.input[1] in constants and rng.random() < 0.85:
+        target = [int(d) for d in constants[node.input[1]]]
+        if not target or target[0] != 1:
+            return
+        like = [name for name in produced if shapes.get(name) == tuple(target)]
+        choice = rng.random()
+        if like and choice < 0.3:
+            node.input[1] = arithmetic.node("Shape", [like[-1]])
+        elif choice < 0.45:
+            node.input[1] = arithmetic.i64([0, *target[1:]])
+        else:
+            node.input[1] = arithmetic.batch_then(node.input[0], target[1:], rng)
+    elif (node.op_type == "Resize" and len(node.input) == 3 and node.input[2] in constants
+          and rng.random() < 0.6):
+        scales = constants[node.input[2]]
+        if scales.shape != (4,) or not np.array_equal(scales[:2], [1, 1]) or not np.all(scales[2:] == np.round(scales[2:])):
+            return
+        spatial = arithmetic.node("Mul", [arithmetic.dims(node.input[0], 2, 4), arithmetic.i64(scales[2:].astype(np.int64))])
+        sizes = arithmetic.node("Concat", [arithmetic.dims(node.input[0], 0, 2), spatial], axis=0)
+        node.input[2] = ""
+        node.input.append(sizes)
+
+
+def _add_from_shape(nodes: list[onnx.NodeProto], tensor: str, kind: str, arithmetic: _ShapeArithmetic, shapes,
+                    rng: np.random.Generator) -> list[onnx.NodeProto]:
+    """``nodes`` with ``tensor``'s readers reading ``tensor + zeros(tensor.shape)`` (``kind`` "zeros":
+    ConstantOfShape) or ``tensor + expand(bias, tensor.shape)`` ("expand": a per-channel bias)."""
+    shape_of = arithmetic.node("Shape", [tensor])
+    if kind == "zeros":
+        addend = arithmetic.node("ConstantOfShape", [shape_of], value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    else:
+        channels = shapes[tensor][1] if len(shapes[tensor]) > 1 else shapes[tensor][-1]
+        bias_shape = (channels,) + (1,) * (len(shapes[tensor]) - 2) if len(shapes[tensor]) > 1 else (channels,)
+        bias = arithmetic.name("bias")
+        arithmetic.initializers.append(numpy_helper.from_array(rng.normal(0, 0.1, bias_shape).astype(np.float32), bias))
+        addend = arithmetic.node("Expand", [bias, shape_of])
+    total = arithmetic.node("Add", [tensor, addend])
+    added = list(arithmetic.nodes)
+    arithmetic.nodes.clear()
+    result = []
+    for node in nodes:
+        if tensor in node.input:
+            node.input[:] = [total if name == tensor else name for name in node.input]
+        result.append(node)
+        if tensor in node.output:
+            result.extend(added)
+    return result

@@ -46,6 +46,7 @@ CATEGORY_TITLES = (
     ("fidelity_drop", f"fidelity drop > {FIDELITY_TOLERANCE}"),
     ("quantize_below_plain", f"quantize() below plain > {FIDELITY_TOLERANCE}"),
     ("integer_lost", "quantize() runs float what plain runs integer"),
+    ("batch_lost", "runs at batch 1 only where the input runs at batch 2"),
     ("timeout", "case timed out (hang in fix()/quantize()?)"),
     ("harness", "harness error (bug in the fuzzer itself)"),
 )
@@ -147,6 +148,36 @@ class _Reference:
     cos_qdq: float
     eval_feeds: list[dict]
     verify: bool = True  # fix()'s run-time guard on; off tests the rules' own promises
+    batch_feeds: list[dict] | None = None  # dynamic-batch seeds: a batch of 2 the input model runs on
+    batch_shapes: list[tuple] | None = None  # its output shapes there
+
+
+def _batch_of_two(model_bytes: bytes, seed: int, eval_feeds: list[dict]) -> tuple[list[dict] | None, list[tuple] | None]:
+    """For a dynamic-batch seed, the evaluation feeds as one batch of 2 and ``model``'s output
+    shapes on it; (None, None) for other seeds and where the model runs at batch 1 only (an
+    export that squeezes its batch dim)."""
+    if seed < DYNAMIC_BATCH_SEEDS or len(eval_feeds) < 2:
+        return None, None
+    feeds = [{name: np.concatenate([eval_feeds[0][name], eval_feeds[1][name]]) for name in eval_feeds[0]}]
+    try:
+        _, outputs = run_model(model_bytes, feeds, "disable_all")
+    except Exception:  # noqa: BLE001 - runs at batch 1 only: nothing to keep
+        return None, None
+    return feeds, [tuple(np.shape(o)) for o in outputs[0]]
+
+
+def _check_batch(case: CaseResult, ref: "_Reference", model_bytes: bytes, target: str, rules) -> None:
+    """Where the input model runs at batch 2, the output runs there too, with the same output shapes."""
+    if ref.batch_feeds is None:
+        return
+    try:
+        _, outputs = run_model(model_bytes, ref.batch_feeds, "enable_all")
+    except Exception as error:  # noqa: BLE001
+        case.fail("batch_lost", target, f"the input runs at batch 2, the output does not: {first_line(error, 300)}", rules)
+        return
+    shapes = [tuple(np.shape(o)) for o in outputs[0]]
+    if shapes != ref.batch_shapes:
+        case.fail("batch_lost", target, f"at batch 2 the outputs have shapes {shapes}, the input's {ref.batch_shapes}", rules)
 
 
 def _call_fix(model, target: str, verify: bool = True):
@@ -247,6 +278,7 @@ def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
     outputs = _check_outputs(case, ref, fixed_bytes, target, rules)
     if "disable_all" in outputs:
         _check_numbers(case, ref, result, outputs["disable_all"], report)
+        _check_batch(case, ref, fixed_bytes, target, rules)
     _check_repeat(case, ref, fixed, fixed_bytes, target, rules)
     result.seconds = time.perf_counter() - start
 
@@ -254,11 +286,19 @@ def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
 # Seeds from here on end every model in a Softmax head (fuzz_models._with_softmax_head); seeds below
 # give the models they gave before heads existed (the regression seeds replay the same cases).
 SOFTMAX_HEAD_SEEDS = 1_000_000
+# Seeds from here on are written as exported with a dynamic batch (fuzz_models.as_dynamic_export):
+# symbolic batch dim, shape arithmetic in the graph; their outputs must also run at batch 2 where
+# the input model does.
+DYNAMIC_BATCH_SEEDS = 20_000_000
+
+
+def _random_model(seed: int, rng: np.random.Generator) -> tuple[onnx.ModelProto, list[dict]]:
+    return random_float_model(rng, softmax_head=seed >= SOFTMAX_HEAD_SEEDS, dynamic_batch=seed >= DYNAMIC_BATCH_SEEDS)
 
 
 def _model_and_config(seed: int) -> tuple[onnx.ModelProto, list[dict], dict]:
     rng = np.random.default_rng(seed)
-    fp32, feeds = random_float_model(rng, softmax_head=seed >= SOFTMAX_HEAD_SEEDS)
+    fp32, feeds = _random_model(seed, rng)
     config = random_quant_config(rng, [node.op_type for node in fp32.graph.node])
     return fp32, feeds, config
 
@@ -293,7 +333,8 @@ def check_fix_case(seed: int, targets: tuple[str, ...] | None = None, verify: bo
         return case
     _, fp32_outputs = run_model(fp32.SerializeToString(), eval_feeds, "disable_all")
     case.cos_qdq = min_cosine(fp32_outputs, qdq_outputs)
-    ref = _Reference(qdq, qdq_bytes, names, qdq_outputs, fp32_outputs, case.cos_qdq, eval_feeds, verify)
+    ref = _Reference(qdq, qdq_bytes, names, qdq_outputs, fp32_outputs, case.cos_qdq, eval_feeds, verify,
+                     *_batch_of_two(qdq_bytes, seed, eval_feeds))
     for target in targets or kenosis_rewrite.TARGETS:
         _check_target(case, ref, target)
     case.seconds = time.perf_counter() - start
@@ -315,22 +356,25 @@ def check_quantize_case(seed: int) -> CaseResult:
     """``kenosis_rewrite.quantize()`` against plain ``quantize_static`` (u8/s8 per-channel) on case ``seed``.
 
     Failures: quantize() raises a non-KenosisError, its output does not run (or changes output
-    names/shapes), or its cosine against FP32 is more than :data:`FIDELITY_TOLERANCE` below plain's.
+    names/shapes, or runs at batch 1 only where the FP32 model runs at batch 2: dynamic-batch
+    seeds), or its cosine against FP32 is more than :data:`FIDELITY_TOLERANCE` below plain's. Where
+    quantize_static refuses the model, quantize() must still give a model that runs (no cosine to
+    compare with).
     """
     import kenosis_rewrite  # noqa: PLC0415
 
     start = time.perf_counter()
-    fp32, feeds = random_float_model(np.random.default_rng(seed), softmax_head=seed >= SOFTMAX_HEAD_SEEDS)
+    fp32, feeds = _random_model(seed, np.random.default_rng(seed))
     case = CaseResult(seed=seed, kind="quantize", config=plain_quant_config(), model=_describe_model(fp32))
     calibration, eval_feeds = feeds[:N_CALIBRATION], feeds[N_CALIBRATION:]
     case.quantize_calls += 1
     plain, reason = quantize_or_skip(fp32, case.config, calibration)
-    if plain is None:
-        case.skipped, case.skip_reason = True, f"plain: {reason}"
-        case.seconds = time.perf_counter() - start
-        return case
     names, fp32_outputs = run_model(fp32.SerializeToString(), eval_feeds, "disable_all")
-    case.cos_plain = min_cosine(fp32_outputs, run_model(plain.SerializeToString(), eval_feeds, "disable_all")[1])
+    if plain is None:
+        # nothing to compare with, but quantize() must still give a model that runs
+        case.skip_reason = f"plain: {reason}; quantize() checked for running only"
+    else:
+        case.cos_plain = min_cosine(fp32_outputs, run_model(plain.SerializeToString(), eval_feeds, "disable_all")[1])
     result = TargetResult("quantize()")
     case.targets.append(result)
     t0 = time.perf_counter()
@@ -348,9 +392,13 @@ def check_quantize_case(seed: int) -> CaseResult:
         return case
     result.seconds = time.perf_counter() - t0
     result.changes = report.change_counts()
-    ref = _Reference(fp32, b"", names, fp32_outputs, fp32_outputs, 1.0, eval_feeds)
-    outputs = _check_outputs(case, ref, model.SerializeToString(), "quantize()", sorted(result.changes))
+    fp32_bytes = fp32.SerializeToString()
+    ref = _Reference(fp32, b"", names, fp32_outputs, fp32_outputs, 1.0, eval_feeds, True, *_batch_of_two(fp32_bytes, seed, eval_feeds))
+    model_bytes = model.SerializeToString()
+    outputs = _check_outputs(case, ref, model_bytes, "quantize()", sorted(result.changes))
     if "disable_all" in outputs:
+        _check_batch(case, ref, model_bytes, "quantize()", sorted(result.changes))
+    if "disable_all" in outputs and plain is not None:
         case.cos_quantize = min_cosine(fp32_outputs, outputs["disable_all"])
         result.cos_fixed = case.cos_quantize
         result.drop = case.cos_plain - case.cos_quantize

@@ -61,6 +61,7 @@ from kenosis_rewrite.rules.prelu import PReluToLeakyRelu, PReluToReluMin
 from kenosis_rewrite.rules.conv_affine_folding import conv_affine_rules
 from kenosis_rewrite.rules.integer_matmul_bias import integer_matmul_bias_rules
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
+from kenosis_rewrite.rules.shape_of_dequantized import shape_of_codes_rules
 from kenosis_rewrite.rules.sigmoid_gate import QuantizeSigmoidGate
 from kenosis_rewrite.rules.softmax_float_input import softmax_float_input_rules
 
@@ -103,6 +104,8 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
         QuantizeSigmoidGate.rule(report),
         # a quantized embedding table is otherwise dequantized whole on every run
         GatherBeforeDequantize.rule(report),
+        # and a quantized tensor whose run-time shape is read, too
+        *shape_of_codes_rules(report).rules,
         *matmul_nbits_rules(report).rules,
     ]
 

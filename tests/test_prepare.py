@@ -302,3 +302,69 @@ def test_shape_arithmetic_that_feeds_no_pad_or_resize_pins_nothing_and_every_bat
     for batch in (2, 4, 1):
         feed = _feeds([batch, 3, 8, 8], 1)
         assert fidelity.run(quantized, feed)[0][0].shape == (batch, 4, 8, 8)
+
+
+def _upsampling_to_computed_size(batch: str = "N") -> onnx.ModelProto:
+    """``interpolate(y, size=(2 * h, 2 * w))`` as a dynamic export writes it: Resize of data to sizes
+    computed from the tensor's shape at run time, then a Conv."""
+    rng = np.random.default_rng(1)
+    w1 = ", ".join(f"{v:.3f}" for v in rng.standard_normal(4 * 3 * 9) * 0.3)
+    w2 = ", ".join(f"{v:.3f}" for v in rng.standard_normal(4 * 4 * 9) * 0.3)
+    return onnx.parser.parse_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[{batch}, 3, H, W] x) => (float[{batch}, 4, H2, W2] y)
+    <float[4, 3, 3, 3] w1 = {{{w1}}}, float[4, 4, 3, 3] w2 = {{{w2}}}, int64[1] zero = {{0}}, int64[1] two = {{2}},
+     int64[1] four = {{4}}, int64[2] twice = {{2, 2}}>
+    {{
+      c = Conv <pads = [1, 1, 1, 1]> (x, w1)
+      r = Relu(c)
+      s = Shape(r)
+      lead = Slice(s, zero, two)
+      spatial = Slice(s, two, four)
+      doubled = Mul(spatial, twice)
+      sizes = Concat <axis = 0> (lead, doubled)
+      up = Resize <mode = "nearest"> (r, , , sizes)
+      y = Conv <pads = [1, 1, 1, 1]> (up, w2)
+    }}""")
+
+
+def test_a_resize_of_data_to_a_computed_size_pins_nothing_and_runs_quantized_at_any_batch_and_size():
+    """Pinning is for what folds a quantizer needs (computed padding, a table resized to a patch grid):
+    a Resize of data runs the same quantized with computed sizes, and a pinned model refused every other
+    batch and image size (fuzz seeds 20000030, 20000032, 20000059)."""
+    model = _upsampling_to_computed_size()
+    feeds = _feeds([1, 3, 8, 8], 8)
+    quantized, report = kenosis_rewrite.quantize(model, feeds, return_report=True)
+    assert "pin-input-shapes" not in {c.rule for c in report.changes}
+    assert [d.dim_param for d in quantized.graph.input[0].type.tensor_type.shape.dim] == ["N", "", "H", "W"]
+    for shape in ([2, 3, 8, 8], [1, 3, 12, 10], [3, 3, 6, 6]):
+        feed = _feeds(shape, 1)
+        got = fidelity.run(quantized, feed)[0][0]
+        want = fidelity.run(model, feed)[0][0]
+        assert got.shape == (shape[0], 4, 2 * shape[2], 2 * shape[3])
+        assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
+    # the first Conv runs integer (the second makes the graph output: protected, float), and the
+    # Shape reads the quantized codes, not a DequantizeLinear ORT would keep for it
+    optimized = _testing.ort_optimized(quantized)
+    assert _ops(optimized)["QLinearConv"] == 1
+    producers = {output: node.op_type for node in optimized.graph.node for output in node.output}
+    assert [producers.get(node.input[0]) for node in optimized.graph.node if node.op_type == "Shape"] == ["QLinearConv"]
+
+
+def test_a_resize_of_a_table_computed_from_constants_still_pins_the_dims_it_reads():
+    """A ViT's position embeddings resized to its patch grid (vit_s_focus): pinned, the Resize folds away."""
+    table = ", ".join(f"{v:.3f}" for v in np.random.default_rng(2).standard_normal(4 * 2 * 2))
+    model = onnx.parser.parse_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N, 4, H, W] x) => (float[N, 4, H, W] y)
+    <float[1, 4, 2, 2] table = {{{table}}}, int64[1] zero = {{0}}, int64[1] two = {{2}}, int64[1] four = {{4}}>
+    {{
+      s = Shape(x)
+      lead = Slice(s, zero, two)
+      spatial = Slice(s, two, four)
+      sizes = Concat <axis = 0> (lead, spatial)
+      grid = Resize <mode = "nearest"> (table, , , sizes)
+      y = Add(x, grid)
+    }}""")
+    assert canonical.computed_layout_parameters(ir.serde.deserialize_model(model))
+    assert not canonical.computed_layout_parameters(ir.serde.deserialize_model(_upsampling_to_computed_size()))

@@ -26,6 +26,7 @@ from kenosis_rewrite import fuzz
 FIX_CASES = int(os.environ.get("KENOSIS_PROPERTY_CASES", "200"))
 QUANTIZE_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUANTIZE_CASES", "30"))
 SOFTMAX_CASES = int(os.environ.get("KENOSIS_PROPERTY_SOFTMAX_CASES", "24"))
+DYNAMIC_CASES = int(os.environ.get("KENOSIS_PROPERTY_DYNAMIC_CASES", "16"))
 
 
 def _failure_report(case: fuzz.CaseResult) -> str:
@@ -59,6 +60,17 @@ def test_fix_properties_with_softmax_heads(seed):
     assert "Softmax" in case.model or case.skipped
     violated = [f"{f.category} ({f.target})" for f in case.failures]
     assert not violated, _failure_report(case)
+
+
+@pytest.mark.parametrize("seed", range(fuzz.DYNAMIC_BATCH_SEEDS, fuzz.DYNAMIC_BATCH_SEEDS + DYNAMIC_CASES))
+def test_fix_and_quantize_properties_on_dynamic_batch_exports(seed):
+    # symbolic batch, Reshape targets and Resize sizes computed at run time, float data made from
+    # shapes: fix() and quantize() outputs must also run at batch 2 where their input does
+    model, _, _ = fuzz._model_and_config(seed)
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    for case in (fuzz.check_fix_case(seed, verify=False), fuzz.check_quantize_case(seed)):
+        violated = [f"{f.category} ({f.target})" for f in case.failures]
+        assert not violated, _failure_report(case)
 
 
 @pytest.mark.parametrize("seed", range(QUANTIZE_CASES))

@@ -69,7 +69,7 @@ class ActivationBeforeDataMovementPass(ReportingPass):
         mover.replace_input_with(0, activated)
         for user, index in readers:
             user.replace_input_with(index, moved)
-        activated.shape = source.shape
+        activated.type, activated.shape = source.type, source.shape  # a shape without a type is not serialized
         graph.remove(activation)
         graph.insert_before(mover, activation)
         self.changed(activation.name or activation.op_type, f"{activation.op_type} moved before {mover.op_type}", exact=True)

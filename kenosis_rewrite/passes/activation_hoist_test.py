@@ -63,3 +63,17 @@ def test_left_alone_when_the_moved_tensor_has_other_readers():
     proto.graph.output.append(onnx.helper.make_tensor_value_info("m", onnx.TensorProto.FLOAT, [1, 36]))
     _, report = _testing.apply_pass(proto, ActivationBeforeDataMovementPass)
     assert not report.changes
+
+
+def test_the_moved_activation_output_keeps_a_typed_shape():
+    """With inferred shapes in the graph the moved activation's output took the DQ's shape without its
+    type, which onnx_ir then dropped from the model with a warning (fuzz seed 20000168)."""
+    proto = onnx.shape_inference.infer_shapes(_model("reshape-relu"))
+    kept = [v for v in proto.graph.value_info if v.name != "a"]  # an activation an earlier rewrite made: untyped
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(kept)
+    fixed, _ = _testing.apply_pass(proto, ActivationBeforeDataMovementPass)
+    relu = next(node for node in fixed.graph.node if node.op_type == "Relu")
+    info = next(v for v in fixed.graph.value_info if v.name == relu.output[0])
+    assert info.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_value for d in info.type.tensor_type.shape.dim] == [1, 4, 3, 3]
