@@ -601,7 +601,8 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
 def as_dynamic_export(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.ModelProto:
     """``model`` (static, batch 1) as an exporter with a dynamic batch writes it, computing the same:
 
-    * the inputs' and outputs' first dim is the symbol ``batch``;
+    * the inputs' and outputs' first dim is the symbol ``batch``, and in one model in two the input's
+      spatial dims (``height``, ``width``) or sequence length (``sequence``) are symbolic too;
     * a Reshape to a constant shape ``[1, ...]`` reads its shape from its data at run time
       (``x.view(x.size(0), ...)``: ``Shape -> Slice`` or ``Shape -> Gather -> Unsqueeze``, then
       ``Concat``), or from an earlier tensor of the target shape (``y.view(x.shape)``), or keeps the
@@ -642,6 +643,10 @@ def as_dynamic_export(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.
     result.graph.initializer.extend([*kept, *arithmetic.initializers])
     for value in [*result.graph.input, *result.graph.output]:
         value.type.tensor_type.shape.dim[0].dim_param = BATCH
+    if rng.random() < 0.5:  # the image's or sequence's size too (the Reshapes' other dims stay constant)
+        dims = result.graph.input[0].type.tensor_type.shape.dim
+        for index, name in {4: {2: "height", 3: "width"}, 3: {1: "sequence"}}.get(len(dims), {}).items():
+            dims[index].dim_param = name
     return result
 
 

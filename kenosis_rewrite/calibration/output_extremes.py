@@ -61,16 +61,21 @@ def output_value_tensors(model: onnx.ModelProto) -> dict[str, tuple[float, float
         node = producers.get(name)
         standard = node is not None and node.domain in ("", "ai.onnx")
         found[name] = NATURAL_RANGES.get(node.op_type) if standard else None
-        if not standard:
-            continue
-        if node.op_type in PASS_THROUGH_OPS:
-            # the data input (Slice's starts, Reshape's shape, Clip's bounds are constants or shapes)
-            pending.extend(node.input[:1] if node.op_type != "Concat" else node.input)
-        elif node.op_type in _AFFINE_OPS:
-            variable = [value for value in node.input if value not in constants]
-            if len(variable) == 1:
-                pending.append(variable[0])
+        if standard:
+            pending.extend(_carried(node, constants))
     return found
+
+
+def _carried(node: onnx.NodeProto, constants: Collection[str]) -> list[str]:
+    """The inputs whose values a standard ``node`` carries to its output (moved, or mapped one by one):
+    none for any other op (a Conv's output is its own)."""
+    if node.op_type in PASS_THROUGH_OPS:
+        # the data input (Slice's starts, Reshape's shape, Clip's bounds are constants or shapes)
+        return list(node.input[:1] if node.op_type != "Concat" else node.input)
+    if node.op_type in _AFFINE_OPS:
+        variable = [value for value in node.input if value not in constants]
+        return variable if len(variable) == 1 else []
+    return []
 
 
 def mixed_output_concats(model: onnx.ModelProto, output_values: Collection[str],
@@ -78,10 +83,12 @@ def mixed_output_concats(model: onnx.ModelProto, output_values: Collection[str],
     """The nodes to keep float so that no output value is requantized onto a coarser member's grid:
     each Concat producing an output value whose inputs' ranges span more than ``max_spread`` times
     each other (a detector's box coordinates, 0 to 320, beside its scores, 0 to 1: one quantized
-    output would give the scores a step of 1.25), and every node after it whose output is an output
-    value (the Reshape/Transpose glue up to the graph output, which quantize_static would quantize
-    at the Concat's range again). Node name -> why."""
+    output would give the scores a step of 1.25), and every node after it that carries its values on
+    into an output value (the Reshape/Transpose glue up to the graph output, which quantize_static
+    would quantize at the Concat's range again; not a MatMul reading them, whose output is its own,
+    fuzz seed 20000416). Node name -> why."""
     graph = model.graph
+    constants = constant_names(model)
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -102,6 +109,8 @@ def mixed_output_concats(model: onnx.ModelProto, output_values: Collection[str],
                 continue
             kept[current.name] = (f"{joins}: kept float" if current is node
                                   else f"on the output path after {node.name}, which {joins}: kept float")
+            # the glue that carries the Concat's values on (not a MatMul reading them: its output is its own)
             pending.extend(reader for output in current.output for reader in consumers.get(output, ())
-                           if reader.output and all(value in output_values for value in reader.output))
+                           if reader.output and all(value in output_values for value in reader.output)
+                           and reader.domain in ("", "ai.onnx") and output in _carried(reader, constants))
     return kept

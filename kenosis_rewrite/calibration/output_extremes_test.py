@@ -63,6 +63,23 @@ def test_mixed_output_concats_keep_float_the_concat_of_unlike_ranges_and_the_out
     assert mixed_output_concats(model, values, alike) == {}
 
 
+def test_a_layer_reading_the_mixed_concat_stays_quantizable():
+    """A MatMul reading the Concat, whose output joins it on the way to the output: its output is an
+    output value (the logits), but it carries nothing of the Concat's grid; kept float, ORT ran it in
+    float where plain quantize_static ran it in integers (fuzz seed 20000416)."""
+    b = ToyBuilder(2)
+    scores = b.node("Sigmoid", [b.gemm("x", 6, 4)])
+    boxes = b.node("Relu", [b.gemm("x", 6, 4)])
+    joined = b.node("Concat", [scores, boxes], axis=1)
+    logits = b.matmul(joined, 8, 3)
+    output = b.node("Concat", [joined, logits], axis=1)
+    model = b.model({"x": [1, 6]}, output)
+    names = {node.output[0]: node.name for node in model.graph.node}
+    kept = mixed_output_concats(model, output_value_tensors(model), {scores: (0.0, 1.0), boxes: (0.0, 9.0), logits: (-3.0, 3.0)})
+    assert names[joined] in kept and names[output] in kept
+    assert names[logits] not in kept
+
+
 def test_collect_ranges_gives_extremes_their_min_max_and_the_others_the_method():
     model, t = _head()
     feeds = toy_models.random_feeds(model, 6, seed=3)
