@@ -142,33 +142,37 @@ def _positions(count: int) -> np.ndarray:
     return np.arange(count) if count <= MAX_POSITIONS else np.linspace(0, count - 1, MAX_POSITIONS).astype(np.int64)
 
 
-def _patch_index(layer: _Layer, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+def _patch_index(layer: _Layer, shape: tuple[int, ...]) -> np.ndarray:
     """Where a Conv's patches come from in an input sample of ``shape`` (channels, height, width): the
-    flat positions, (kernel elements, positions), and which of them lie inside the map (None: all)."""
+    flat positions in the sample padded by the layer's pads (:func:`_padded`), (kernel elements, positions)."""
     top, left, bottom, right = layer.pads
     _, in_height, in_width = shape
     (kh, kw), (sh, sw), (dh, dw) = layer.kernel, layer.strides, layer.dilations
     height = (in_height + top + bottom - (kh - 1) * dh - 1) // sh + 1
     width = (in_width + left + right - (kw - 1) * dw - 1) // sw + 1
     chosen = _positions(height * width)
-    # (kh * kw, positions) coordinates in the input; those in the padding read 0 (no padded copy of the map)
-    rows = (chosen // width * sh)[None, :] + (np.arange(kh) * dh).repeat(kw)[:, None] - top
-    columns = (chosen % width * sw)[None, :] + np.tile(np.arange(kw) * dw, kh)[:, None] - left
-    inside = (rows >= 0) & (rows < in_height) & (columns >= 0) & (columns < in_width)
-    return np.where(inside, rows * in_width + columns, 0), (None if inside.all() else inside)
+    # (kh * kw, positions) coordinates in the padded map: every one inside it
+    rows = (chosen // width * sh)[None, :] + (np.arange(kh) * dh).repeat(kw)[:, None]
+    columns = (chosen % width * sw)[None, :] + np.tile(np.arange(kw) * dw, kh)[:, None]
+    return rows * (in_width + left + right) + columns
 
 
-def _patches(layer: _Layer, x: np.ndarray, index: tuple[np.ndarray, np.ndarray | None] | None = None) -> np.ndarray:
+def _padded(layer: _Layer, x: np.ndarray) -> np.ndarray:
+    """One sample (channels, height, width) with the layer's zero padding, as (channels, pixels)."""
+    top, left, bottom, right = layer.pads
+    if top or left or bottom or right:
+        x = np.pad(x, ((0, 0), (top, bottom), (left, right)))
+    return x.reshape(x.shape[0], -1)
+
+
+def _patches(layer: _Layer, x: np.ndarray, index: np.ndarray | None = None) -> np.ndarray:
     """Input columns of one sample: (channels, kernel elements, positions) for a Conv, (features, rows)
     else. ``index``: :func:`_patch_index` for ``x``'s shape, when the caller has it already."""
     if not layer.kernel:
         flat = x.reshape(-1, x.shape[-1]).T
         return flat[:, _positions(flat.shape[1])]
-    positions, inside = index if index is not None else _patch_index(layer, x.shape)
-    patches = np.take(x.reshape(x.shape[0], -1), positions, axis=1)  # (C, kh * kw, positions)
-    if inside is not None:
-        patches *= inside
-    return patches
+    positions = index if index is not None else _patch_index(layer, x.shape)
+    return np.take(_padded(layer, x), positions, axis=1)  # (C, kh * kw, positions)
 
 
 class _Moments:
@@ -177,27 +181,32 @@ class _Moments:
     def __init__(self) -> None:
         self.outer: np.ndarray | None = None
         self.count = 0
-        # a Conv's patch positions by input shape: the same for every feed of one size
-        self._index: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray | None]] = {}
+        # a Conv's patch positions by input shape, and transposed: the same for every feed of one size
+        self._index: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def add(self, layer: _Layer, x: np.ndarray) -> None:
-        index = None
         if layer.kernel:
             index = self._index.get(x.shape)
             if index is None:
-                index = self._index[x.shape] = _patch_index(layer, x.shape)
-        patches = _patches(layer, x, index)
-        if layer.kernel and not layer.rows_per_group:
-            patches = patches.reshape(-1, patches.shape[-1])  # (C * k, positions), the weights' column order
-        transposed = np.swapaxes(patches, -1, -2)
-        if patches.ndim == 3:  # numpy's batched matmul is 3x slower on the strided view (same sums)
-            transposed = np.ascontiguousarray(transposed)
-        outer = patches @ transposed
+                positions = _patch_index(layer, x.shape)
+                index = self._index[x.shape] = (positions, np.ascontiguousarray(positions.T))
+        if layer.kernel and layer.rows_per_group:
+            # (C, positions, k) gathered as such: the batched product reads it and its transposed
+            # view, one gather and no transposed copy (the same sums)
+            columns = np.take(_padded(layer, x), index[1], axis=1)
+            outer = np.matmul(np.swapaxes(columns, -1, -2), columns)
+            count = columns.shape[1]
+        else:
+            patches = _patches(layer, x, index[0] if layer.kernel else None)
+            if layer.kernel:
+                patches = patches.reshape(-1, patches.shape[-1])  # (C * k, positions), the weights' column order
+            outer = patches @ patches.T
+            count = patches.shape[-1]
         if self.outer is None:
             self.outer = outer.astype(np.float64)
         else:
             self.outer += outer  # in float64, as the sum of the float64 copies
-        self.count += patches.shape[-1]
+        self.count += count
 
     def hessian(self) -> np.ndarray:
         return self.outer / max(self.count, 1)
