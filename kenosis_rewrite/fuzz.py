@@ -5,7 +5,8 @@ FP32 ONNX model (:func:`random_float_model`), then an ``onnxruntime.quantization
 configuration (:func:`random_quant_config`); seeds from :data:`SOFTMAX_HEAD_SEEDS` (1,000,000) end
 every model in a Softmax head (a DFL head on maps), and seeds from :data:`DYNAMIC_BATCH_SEEDS`
 (20,000,000) are written as exported with a dynamic batch (:func:`~kenosis_rewrite.fuzz_models.as_dynamic_export`:
-shape arithmetic in the graph; their outputs must also run at batch 2 where the input does).
+shape arithmetic in the graph; their outputs must also run at batch 2 where the input does), and
+seeds from :data:`TRANSFORMER_SEEDS` (30,000,000) are small transformer encoders, exported so.
 :func:`check_fix_case` quantizes the model with that configuration and checks the properties ``fix()`` promises, for every target:
 
 * no exception other than a :class:`~kenosis_rewrite.KenosisError` subclass;
@@ -60,6 +61,7 @@ from kenosis_rewrite.fuzz_properties import (
     FIDELITY_TOLERANCE,
     SOFTMAX_HEAD_SEEDS,
     DYNAMIC_BATCH_SEEDS,
+    TRANSFORMER_SEEDS,
     CaseResult,
     Failure,
     TargetResult,
@@ -70,7 +72,7 @@ from kenosis_rewrite.fuzz_properties import (
 from kenosis_rewrite.fuzz_running import first_line, short_traceback
 
 __all__ = [
-    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "SOFTMAX_HEAD_SEEDS", "DYNAMIC_BATCH_SEEDS", "N_CALIBRATION", "N_FEEDS", "CaseResult", "Failure", "TargetResult",
+    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "SOFTMAX_HEAD_SEEDS", "DYNAMIC_BATCH_SEEDS", "TRANSFORMER_SEEDS", "N_CALIBRATION", "N_FEEDS", "CaseResult", "Failure", "TargetResult",
     "random_float_model", "random_quant_config", "plain_quant_config", "quantize_with_config",
     "check_fix_case", "check_quantize_case", "run_cases", "summarize", "format_summary", "main",
 ]

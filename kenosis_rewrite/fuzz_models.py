@@ -421,6 +421,87 @@ def _mlp_layer(b: _Builder, x: _Tensor) -> _Tensor:
     return menu[int(b.rng.choice(len(menu), p=weights / weights.sum()))][1](b, x)
 
 
+# ---- transformer blocks (rank 3 [1, S, F]) -------------------------------------------------
+
+
+def _layer_norm(b: _Builder, x: _Tensor) -> _Tensor:
+    """LayerNormalization over the features: the op (opset >= 17, half the time) or as exporters
+    decompose it (ReduceMean -> Sub -> Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul -> Add)."""
+    f = x.shape[-1]
+    gamma, beta = b.f32(b.rng.uniform(0.5, 1.5, f), "ln_scale"), b.f32(b.rng.normal(0, 0.1, f), "ln_bias")
+    if b.opset >= 17 and b.chance(0.5):
+        return b.node("LayerNormalization", [x.name, gamma, beta], x.shape, axis=-1, epsilon=1e-5)
+    reduced = x.shape[:-1] + (1,)
+
+    def mean(t: _Tensor) -> _Tensor:
+        if b.opset >= 18:
+            return b.node("ReduceMean", [t.name, b.i64([-1], "axes")], reduced, keepdims=1)
+        return b.node("ReduceMean", [t.name], reduced, axes=[-1], keepdims=1)
+
+    centred = b.node("Sub", [x.name, mean(x).name], x.shape)
+    variance = mean(b.node("Pow", [centred.name, b.f32(2.0, "two")], x.shape))
+    deviation = b.node("Sqrt", [b.node("Add", [variance.name, b.f32(1e-5, "eps")], reduced).name], reduced)
+    normalized = b.node("Div", [centred.name, deviation.name], x.shape)
+    return b.node("Add", [b.node("Mul", [normalized.name, gamma], x.shape).name, beta], x.shape)
+
+
+def _attention(b: _Builder, x: _Tensor) -> _Tensor:
+    """Self-attention: Q/K/V projections, heads split by Reshape/Transpose (or one head), scores
+    scaled by Div or Mul, Softmax, the context merged back and projected, a residual Add."""
+    _, s, f = x.shape
+    heads = b.pick([h for h in (1, 2, 4) if f % h == 0])
+    d = f // heads
+    q, k, v = (_matmul(b, x, n=f) for _ in range(3))
+    if heads > 1:
+        def split(t: _Tensor, perm: list[int]) -> _Tensor:
+            y = b.node("Reshape", [t.name, b.i64([1, s, heads, d])], (1, s, heads, d))
+            return b.node("Transpose", [y.name], tuple((1, s, heads, d)[i] for i in perm), perm=perm)
+        q, k, v = split(q, [0, 2, 1, 3]), split(k, [0, 2, 3, 1]), split(v, [0, 2, 1, 3])
+        scores_shape = (1, heads, s, s)
+    else:
+        k = b.node("Transpose", [k.name], (1, f, s), perm=[0, 2, 1])
+        scores_shape = (1, s, s)
+    scores = b.node("MatMul", [q.name, k.name], scores_shape)
+    if b.chance(0.5):
+        scaled = b.node("Div", [scores.name, b.f32(np.sqrt(d), "sqrt_d")], scores_shape)
+    else:
+        scaled = b.node("Mul", [scores.name, b.f32(1 / np.sqrt(d), "inv_sqrt_d")], scores_shape)
+    probs = b.node("Softmax", [scaled.name], scores_shape, axis=-1)
+    context = b.node("MatMul", [probs.name, v.name], scores_shape[:-1] + (d,))
+    if heads > 1:
+        context = b.node("Transpose", [context.name], (1, s, heads, d), perm=[0, 2, 1, 3])
+        context = b.node("Reshape", [context.name, b.i64([1, s, f])], (1, s, f))
+    projected = _matmul(b, context, n=f)
+    return b.node("Add", [x.name, projected.name], x.shape)
+
+
+def _feed_forward(b: _Builder, x: _Tensor) -> _Tensor:
+    """MatMul -> Gelu/Relu -> MatMul, added to its input."""
+    hidden = _matmul(b, x, n=int(b.rng.integers(x.shape[-1], 2 * x.shape[-1] + 1)))
+    hidden = _gelu(b, hidden) if b.chance(0.6) else b.node("Relu", [hidden.name], hidden.shape)
+    return b.node("Add", [x.name, _matmul(b, hidden, n=x.shape[-1]).name], x.shape)
+
+
+def _transformer_layer(b: _Builder, x: _Tensor) -> _Tensor:
+    """A pre- or post-norm encoder layer: attention and feed-forward blocks with layer norms."""
+    pre_norm = b.chance(0.5)
+    for block in (_attention, _feed_forward):
+        x = block(b, _layer_norm(b, x)) if pre_norm else _layer_norm(b, block(b, x))
+    return x
+
+
+def _build_transformer(b: _Builder) -> tuple[_Tensor, _Tensor]:
+    """(graph input, last tensor) of a small encoder: an embedding MatMul, 1-2 layers, a head."""
+    x = _Tensor("input", (1, int(b.rng.integers(3, 9)), int(b.rng.integers(4, 17))))
+    features = int(b.pick([8, 12, 16]))
+    y = _matmul(b, x, n=features)
+    for _ in range(int(b.rng.integers(1, 3))):
+        y = _transformer_layer(b, y)
+    if b.chance(0.5):
+        y = _layer_norm(b, y)
+    return x, _matmul(b, y, n=int(b.rng.integers(2, 9)))
+
+
 # ---- whole model ---------------------------------------------------------------------------
 
 
@@ -512,8 +593,8 @@ def _check_shapes(model: onnx.ModelProto) -> None:
             raise AssertionError(f"generator shape bug: {value.name} inferred {dims}, tracked {declared}")
 
 
-def random_float_model(rng: np.random.Generator, softmax_head: bool = False,
-                       dynamic_batch: bool = False) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+def random_float_model(rng: np.random.Generator, softmax_head: bool = False, dynamic_batch: bool = False,
+                       transformer: bool = False) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
     """A small random valid FP32 model and 6 feeds (first 4: calibration, last 2: evaluation).
 
     Opset 13..21; one model in eight has about half its constants as Constant nodes. CNN bodies (Conv/ConvTranspose/BN/activations/residuals/pools/Resize/shape ops)
@@ -521,11 +602,12 @@ def random_float_model(rng: np.random.Generator, softmax_head: bool = False,
     ``softmax_head``: the first output is a Softmax head (:func:`_with_softmax_head`).
     ``dynamic_batch``: the batch dim is symbolic and the shapes are computed in the graph
     (:func:`as_dynamic_export`, drawn from its own stream: the body and feeds are the static model's).
-    The feeds have batch 1.
+    ``transformer``: a small encoder instead (:func:`_build_transformer`: attention with heads,
+    feed-forward blocks, LayerNormalization or its decomposition). The feeds have batch 1.
     """
     opset = int(rng.integers(13, 22))
     b = _Builder(rng, opset, constant_nodes=bool(rng.random() < 0.12))
-    x, last = _build_body(b)
+    x, last = _build_transformer(b) if transformer else _build_body(b)
     outputs = _choose_outputs(b, last)
     model = _assemble(b, x, _with_softmax_head(b, outputs, rng) if softmax_head else outputs)
     _check_shapes(model)

@@ -290,10 +290,14 @@ SOFTMAX_HEAD_SEEDS = 1_000_000
 # symbolic batch dim, shape arithmetic in the graph; their outputs must also run at batch 2 where
 # the input model does.
 DYNAMIC_BATCH_SEEDS = 20_000_000
+# Seeds from here on are small transformer encoders (fuzz_models._build_transformer), exported with a
+# dynamic batch too.
+TRANSFORMER_SEEDS = 30_000_000
 
 
 def _random_model(seed: int, rng: np.random.Generator) -> tuple[onnx.ModelProto, list[dict]]:
-    return random_float_model(rng, softmax_head=seed >= SOFTMAX_HEAD_SEEDS, dynamic_batch=seed >= DYNAMIC_BATCH_SEEDS)
+    return random_float_model(rng, softmax_head=seed >= SOFTMAX_HEAD_SEEDS, dynamic_batch=seed >= DYNAMIC_BATCH_SEEDS,
+                              transformer=seed >= TRANSFORMER_SEEDS)
 
 
 def _model_and_config(seed: int) -> tuple[onnx.ModelProto, list[dict], dict]:

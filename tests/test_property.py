@@ -27,6 +27,7 @@ FIX_CASES = int(os.environ.get("KENOSIS_PROPERTY_CASES", "200"))
 QUANTIZE_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUANTIZE_CASES", "30"))
 SOFTMAX_CASES = int(os.environ.get("KENOSIS_PROPERTY_SOFTMAX_CASES", "24"))
 DYNAMIC_CASES = int(os.environ.get("KENOSIS_PROPERTY_DYNAMIC_CASES", "16"))
+TRANSFORMER_CASES = int(os.environ.get("KENOSIS_PROPERTY_TRANSFORMER_CASES", "6"))
 
 
 def _failure_report(case: fuzz.CaseResult) -> str:
@@ -68,6 +69,17 @@ def test_fix_and_quantize_properties_on_dynamic_batch_exports(seed):
     # shapes: fix() and quantize() outputs must also run at batch 2 where their input does
     model, _, _ = fuzz._model_and_config(seed)
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    for case in (fuzz.check_fix_case(seed, verify=False), fuzz.check_quantize_case(seed)):
+        violated = [f"{f.category} ({f.target})" for f in case.failures]
+        assert not violated, _failure_report(case)
+
+
+@pytest.mark.parametrize("seed", range(fuzz.TRANSFORMER_SEEDS, fuzz.TRANSFORMER_SEEDS + TRANSFORMER_CASES))
+def test_fix_and_quantize_properties_on_small_transformer_encoders(seed):
+    # attention (activation x activation MatMuls, heads split by Reshape/Transpose), LayerNormalization
+    # or its decomposition, Gelu, residual Adds; exported with a dynamic batch
+    model, _, _ = fuzz._model_and_config(seed)
+    assert {"Softmax", "MatMul"} <= {node.op_type for node in model.graph.node}
     for case in (fuzz.check_fix_case(seed, verify=False), fuzz.check_quantize_case(seed)):
         violated = [f"{f.category} ({f.target})" for f in case.failures]
         assert not violated, _failure_report(case)
