@@ -711,7 +711,7 @@ def as_dynamic_export(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.
         arithmetic.nodes.clear()
         nodes.append(node)
         produced.extend(name for name in node.output if name in shapes)
-    inner = [name for name in produced[1:] if name not in outputs]
+    inner = [name for name in produced[1:] if name not in outputs and shapes[name]]  # not scalars
     for kind in ("zeros", "expand"):
         if inner and rng.random() < 0.3:
             nodes = _add_from_shape(nodes, inner[int(rng.integers(len(inner)))], kind, arithmetic, shapes, rng)
