@@ -727,8 +727,13 @@ def as_dynamic_export(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.
         value.type.tensor_type.shape.dim[0].dim_param = BATCH
     if rng.random() < 0.5:  # the image's or sequence's size too (the Reshapes' other dims stay constant)
         dims = result.graph.input[0].type.tensor_type.shape.dim
-        for index, name in {4: {2: "height", 3: "width"}, 3: {1: "sequence"}}.get(len(dims), {}).items():
+        symbolic = {4: {2: "height", 3: "width"}, 3: {1: "sequence"}}.get(len(dims), {})
+        for index, name in symbolic.items():
             dims[index].dim_param = name
+        if symbolic:  # the outputs' dims then follow them: declared unknown (a static one would
+            for value in result.graph.output:  # tell ORT to fold shapes for that size alone)
+                for dim in value.type.tensor_type.shape.dim[1:]:
+                    dim.Clear()
     return result
 
 
