@@ -6,8 +6,10 @@
    tensor (TF-style "same" padding), or a Resize of a table computed from constants does (a ViT's
    position embeddings resized to its patch grid), and an input has symbolic dims, the dims are
    pinned to the shapes in use (``input_shapes``, or the feeds' shapes where every feed agrees) so
-   the shape arithmetic folds: the spatial dims first, the batch only if such a Pad/Resize remains.
-   A Resize of data to a computed size pins nothing (:func:`computed_layout_parameters`). The prepared model then accepts only those shapes; the report
+   the shape arithmetic folds: first the static dims it reads from a partly static shape are read
+   as the constants they are (``Gather(Shape(x), 2)``: :func:`~kenosis_rewrite.rules.shape_slices.static_dim_rules`),
+   then the spatial dims are pinned, the batch only if such a Pad/Resize remains. A Resize of data
+   to a computed size pins nothing (:func:`computed_layout_parameters`). The prepared model then accepts only those shapes; the report
    says which dims were pinned. Shape arithmetic anywhere else (a recurrent state's batch size, an
    attention mask's length, a detector's anchors) pins nothing: the model keeps accepting every
    shape, and quantize() keeps that arithmetic float (``float-shape-arithmetic``).
@@ -71,7 +73,7 @@ from kenosis_rewrite.rules.channel_affine import channel_affine_rules
 from kenosis_rewrite.rules.gemm_addend import gemm_addend_rules
 from kenosis_rewrite.rules.op_filter import op_filtered
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
-from kenosis_rewrite.rules.shape_slices import shape_slice_rules
+from kenosis_rewrite.rules.shape_slices import shape_slice_rules, static_dim_rules
 from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
 
 __all__ = ["prepare", "PrepareFailedError", "PREPARE_TOLERANCE", "canonicalize"]
@@ -301,6 +303,14 @@ def _fold(model: ir.Model, inferred: dict[ir.Node, tuple] | None = None) -> None
         _optimize_ir(model, num_iterations=3, should_fold=_fold_small_constant_of_shape, inferred=inferred)
 
 
+def _fold_static_dim_reads(model: ir.Model, inferred: dict[ir.Node, tuple]) -> None:
+    """``Gather(Shape(x), i)`` of static dims as constants, and the arithmetic on them folded
+    (:func:`~kenosis_rewrite.rules.shape_slices.static_dim_rules`): a ViT's patch grid or a TF
+    export's padding read from a shape whose batch alone is symbolic folds without pinning it."""
+    if computed_layout_parameters(model) and op_filtered(static_dim_rules()).apply_to_model(model):
+        _fold(model, inferred)
+
+
 def _apply_rules(model: ir.Model, report: FixReport) -> int:
     """Each family to a fixed point, in an order where one family's output is the next one's input.
     Returns the number of rewrites."""
@@ -446,12 +456,14 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
         _fold(model, inferred)
     if shapes and computed_layout_parameters(model):
         # only while a Pad/Resize computes its parameters: a pinned model accepts no other shapes
-        # (a beam search's batch, a sentence's length); the batch dim last, as padding reads the
-        # spatial dims
+        # (a beam search's batch, a sentence's length); the static dims it reads first, then the
+        # spatial dims, the batch dim last, as padding reads the spatial dims
+        _fold_static_dim_reads(model, inferred)
         without_batch = {name: [None, *dims[1:]] for name, dims in shapes.items() if dims}
         for attempt in (without_batch, shapes):
             if computed_layout_parameters(model) and pin_input_shapes(model, attempt, source, report):
                 _fold(model, inferred)
+                _fold_static_dim_reads(model, inferred)
     if _reads_shapes(model) and _symbolic_inputs(model):
         report.note("prepare: the input dims stay symbolic, so the model keeps accepting every shape; its shape "
                     "arithmetic stays float. To fold it for one deployment shape: fix(model, input_shapes={...})")

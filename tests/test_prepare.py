@@ -368,3 +368,42 @@ def test_a_resize_of_a_table_computed_from_constants_still_pins_the_dims_it_read
     }}""")
     assert canonical.computed_layout_parameters(ir.serde.deserialize_model(model))
     assert not canonical.computed_layout_parameters(ir.serde.deserialize_model(_upsampling_to_computed_size()))
+
+
+def test_a_table_resized_to_a_grid_read_from_static_dims_folds_without_pinning_the_batch():
+    """vit_s_focus resizes its position embeddings to ``x.shape[2] // patch``: a Gather of a shape whose
+    batch alone is symbolic, which onnxscript does not fold. Read as the static dims they are, the
+    Resize folds away and the batch stays symbolic (it was pinned to the feeds' 1: the quantized ViT
+    refused batch 2)."""
+    rng = np.random.default_rng(3)
+    table = ", ".join(f"{v:.3f}" for v in rng.standard_normal(4 * 2 * 2))
+    weights = ", ".join(f"{v:.3f}" for v in rng.standard_normal(4 * 3 * 4) * 0.3)
+    model = onnx.parser.parse_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N, 3, 8, 8] x) => (float[N, 4, 4, 4] y)
+    <float[1, 4, 2, 2] table = {{{table}}}, float[4, 3, 2, 2] w = {{{weights}}}, int64 two = {{2}}, int64 three = {{3}},
+     int64 patch = {{2}}, int64[1] axis0 = {{0}}, int64[2] lead = {{1, 4}}>
+    {{
+      patches = Conv <strides = [2, 2]> (x, w)
+      s = Shape(x)
+      h = Gather <axis = 0> (s, two)
+      wd = Gather <axis = 0> (s, three)
+      gh = Div(h, patch)
+      gw = Div(wd, patch)
+      gh1 = Unsqueeze(gh, axis0)
+      gw1 = Unsqueeze(gw, axis0)
+      sizes = Concat <axis = 0> (lead, gh1, gw1)
+      grid = Resize <mode = "nearest"> (table, , , sizes)
+      y = Add(patches, grid)
+    }}""")
+    feeds = _feeds([1, 3, 8, 8], 8)
+    prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert "pin-input-shapes" not in {c.rule for c in report.changes}
+    assert "Resize" not in _ops(prepared)  # the table was resized once, here
+    quantized = kenosis_rewrite.quantize(model, feeds)
+    assert quantized.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+    for batch in (2, 1):
+        feed = _feeds([batch, 3, 8, 8], 1, seed=batch)
+        got, want = fidelity.run(quantized, feed)[0][0], fidelity.run(model, feed)[0][0]
+        assert got.shape == want.shape == (batch, 4, 4, 4)
+        assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99

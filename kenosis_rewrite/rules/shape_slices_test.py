@@ -1,4 +1,4 @@
-"""Tests of Slice(Shape(x)) -> Shape(x, start, end)."""
+"""Tests of Slice(Shape(x)) -> Shape(x, start, end) and Gather(Shape(x), i) -> the static dims."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite import _testing, fidelity
-from kenosis_rewrite.rules.shape_slices import shape_slice_rules
+from kenosis_rewrite.rules.shape_slices import shape_slice_rules, static_dim_rules
 
 
 def _model(starts, ends, axes=None, steps=None, opset=17):
@@ -46,3 +46,38 @@ def test_slice_of_shape_becomes_bounded_shape_with_the_same_values(starts, ends,
 def test_refusals(kwargs, why):
     out, count = _rewrite(_model(0, 4, **kwargs))
     assert count == 0, why
+
+
+def _gather_model(indices, shape_bounds=None, extra_reader=True):
+    """``Gather(Shape(x), indices)`` (x: [N, 3, 8, 5]), the Shape also read by a Size-like Slice."""
+    attributes = {} if shape_bounds is None else dict(zip(("start", "end"), shape_bounds))
+    nodes = [helper.make_node("Shape", ["x"], ["shape"], **attributes),
+             helper.make_node("Gather", ["shape", "i"], ["y"], axis=0)]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.INT64, list(np.shape(indices)))]
+    if extra_reader:
+        nodes.append(helper.make_node("Identity", ["shape"], ["all_dims"]))
+        outputs.append(helper.make_tensor_value_info("all_dims", TensorProto.INT64, [None]))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 5])], outputs,
+        [numpy_helper.from_array(np.array(indices, np.int64), "i")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("indices", "bounds"), [(2, None), ([2, 3], None), (-1, None), ([[1], [3]], None), (0, (2, 4)),
+                                                 (-2, (1, None))])
+def test_gather_of_static_dims_becomes_their_value(indices, bounds):
+    model = _gather_model(indices, None if bounds is None else tuple(b for b in bounds if b is not None))
+    out, count = _testing.apply_rules(model, static_dim_rules())
+    assert count == 1
+    assert "Gather" not in [n.op_type for n in out.graph.node]
+    assert "Shape" in [n.op_type for n in out.graph.node]  # kept for its other reader
+    x = np.zeros((2, 3, 8, 5), np.float32)
+    for got, want in zip(fidelity.run(out, [{"x": x}])[0], fidelity.run(model, [{"x": x}])[0]):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("indices", [0, [0, 2], 7])
+def test_gather_of_a_symbolic_or_missing_dim_is_left_alone(indices):
+    _, count = _testing.apply_rules(_gather_model(indices), static_dim_rules())
+    assert count == 0
