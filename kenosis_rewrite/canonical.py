@@ -306,9 +306,49 @@ def _fold(model: ir.Model, inferred: dict[ir.Node, tuple] | None = None) -> None
 def _fold_static_dim_reads(model: ir.Model, inferred: dict[ir.Node, tuple]) -> None:
     """``Gather(Shape(x), i)`` of static dims as constants, and the arithmetic on them folded
     (:func:`~kenosis_rewrite.rules.shape_slices.static_dim_rules`): a ViT's patch grid or a TF
-    export's padding read from a shape whose batch alone is symbolic folds without pinning it."""
-    if computed_layout_parameters(model) and op_filtered(static_dim_rules()).apply_to_model(model):
+    export's padding read from a shape whose batch alone is symbolic folds without pinning it. The
+    dims are those ONNX shape inference with data propagation finds (:func:`_propagated_dims`)."""
+    # a Pad folded makes the shapes after it known, and the next Pad's parameters with them
+    computed = computed_layout_parameters(model)
+    while computed:
+        found = _propagated_dims(model)
+        if not op_filtered(static_dim_rules()).apply_to_model(model) and not found:
+            return
         _fold(model, inferred)
+        before, computed = computed, computed_layout_parameters(model)
+        if len(computed) >= len(before):  # nothing more folds this way
+            return
+
+
+def _propagated_dims(model: ir.Model) -> bool:
+    """Fill the unknown dims of the main graph's values with the static ones ONNX shape inference
+    finds when it propagates shape values (``data_prop``): behind a Resize to a computed size
+    (``Concat(Shape(x)[0:2], Shape(x)[2:4] * 2)``) node-by-node inference knows no spatial dim, and
+    the padding computed from them would only fold with the batch pinned too (fuzz seed 20002019).
+    Nothing changes where inference fails. True when a dim became known."""
+    try:
+        proto = ir.serde.serialize_model(model)
+        found = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # noqa: BLE001 - inference is a help here, not a requirement
+        return False
+    changed = False
+    values = {value.name: value for node in model.graph for value in node.outputs}
+    for info in [*found.graph.value_info, *found.graph.output]:
+        value = values.get(info.name)
+        tensor = info.type.tensor_type
+        if value is None or not tensor.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if value.shape is None:
+            if value.type is not None and all(d is not None for d in dims):
+                value.shape, changed = ir.Shape(dims), True
+            continue
+        if len(value.shape) != len(dims):
+            continue
+        merged = [old if isinstance(old, int) or new is None else new for old, new in zip(value.shape, dims)]
+        if merged != list(value.shape):
+            value.shape, changed = ir.Shape(merged), True
+    return changed
 
 
 def _apply_rules(model: ir.Model, report: FixReport) -> int:

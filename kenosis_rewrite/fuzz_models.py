@@ -690,6 +690,7 @@ def as_dynamic_export(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.
       ``Concat``), or from an earlier tensor of the target shape (``y.view(x.shape)``), or keeps the
       batch with a 0 (``[0, ...]``);
     * a Resize by 2 resizes to a computed size (``interpolate(size=(2 * h, 2 * w))``);
+    * a 3x3 Conv's padding is, sometimes, a Pad computed from the input's shape (TF "same" padding);
     * zeros made from a tensor's run-time shape (``ConstantOfShape(Shape(y))``, a recurrent net's
       initial state) are added to one tensor, and a constant bias is Expanded to a tensor's shape and
       added to another (the float data the graph computes from shapes).
@@ -703,10 +704,12 @@ def as_dynamic_export(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.
     outputs = {value.name for value in model.graph.output}
     produced: list[str] = [value.name for value in model.graph.input]
     nodes: list[onnx.NodeProto] = []
+    padding_rng = np.random.Generator(rng.bit_generator.jumped())  # rng's own draws stay those of before
     for original in model.graph.node:
         node = onnx.NodeProto()
         node.CopyFrom(original)
         _dynamic_parameters(node, arithmetic, constants, shapes, produced, rng)
+        _same_padding(node, arithmetic, padding_rng)
         nodes.extend(arithmetic.nodes)
         arithmetic.nodes.clear()
         nodes.append(node)
@@ -761,6 +764,38 @@ def _dynamic_parameters(node: onnx.NodeProto, arithmetic: _ShapeArithmetic, cons
         sizes = arithmetic.node("Concat", [arithmetic.dims(node.input[0], 0, 2), spatial], axis=0)
         node.input[2] = ""
         node.input.append(sizes)
+
+
+def _same_padding(node: onnx.NodeProto, arithmetic: _ShapeArithmetic, rng: np.random.Generator) -> None:
+    """A Conv's symmetric padding (stride 1), sometimes, as a TF export computes "same" padding at run
+    time: ``total = (ceil(hw / s) - 1) * s + k - hw``, ``before = total // 2``, then ``Pad``."""
+    if node.op_type != "Conv" or rng.random() >= 0.3:
+        return
+    attributes = {a.name: a for a in node.attribute}
+    kernel = list(attributes["kernel_shape"].ints) if "kernel_shape" in attributes else []
+    pads = list(attributes["pads"].ints) if "pads" in attributes else []
+    strides = list(attributes["strides"].ints) if "strides" in attributes else [1, 1]
+    if kernel != [3, 3] or pads != [1, 1, 1, 1] or strides != [1, 1] or "dilations" in attributes:
+        return
+    shape = arithmetic.node("Shape", [node.input[0]])
+    if rng.random() < 0.5:
+        hw = arithmetic.node("Slice", [shape, arithmetic.i64([2]), arithmetic.i64([4])])
+    else:  # read one dim at a time
+        dims = [arithmetic.node("Unsqueeze", [arithmetic.node("Gather", [shape, arithmetic.i64(i)], axis=0), arithmetic.i64([0])])
+                for i in (2, 3)]
+        hw = arithmetic.node("Concat", dims, axis=0)
+    cells = arithmetic.node("Div", [arithmetic.node("Add", [hw, arithmetic.i64([0, 0])]), arithmetic.i64([1, 1])])
+    total = arithmetic.node("Sub", [arithmetic.node("Add", [arithmetic.node("Sub", [cells, arithmetic.i64([1, 1])]),
+                                                             arithmetic.i64([3, 3])]), hw])
+    total = arithmetic.node("Max", [total, arithmetic.i64([0, 0])])
+    before = arithmetic.node("Div", [total, arithmetic.i64([2, 2])])
+    after = arithmetic.node("Sub", [total, before])
+    zeros = arithmetic.i64([0, 0])
+    padded = arithmetic.node("Pad", [node.input[0], arithmetic.node("Concat", [zeros, before, zeros, after], axis=0)])
+    node.input[0] = padded
+    kept = [a for a in node.attribute if a.name != "pads"]
+    del node.attribute[:]
+    node.attribute.extend(kept)
 
 
 def _add_from_shape(nodes: list[onnx.NodeProto], tensor: str, kind: str, arithmetic: _ShapeArithmetic, shapes,

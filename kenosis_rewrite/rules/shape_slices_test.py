@@ -81,3 +81,18 @@ def test_gather_of_static_dims_becomes_their_value(indices, bounds):
 def test_gather_of_a_symbolic_or_missing_dim_is_left_alone(indices):
     _, count = _testing.apply_rules(_gather_model(indices), static_dim_rules())
     assert count == 0
+
+
+@pytest.mark.parametrize(("starts", "ends", "axes", "steps", "opset"), [(2, 4, None, None, 13), (-2, 9223372036854775807, 0, 1, 14),
+                                                                       (1, 4, None, 2, 17), (3, 1, 0, -1, 13)])
+def test_slice_of_static_dims_becomes_their_values_in_any_opset(starts, ends, axes, steps, opset):
+    model = _model(starts, ends, axes, steps, opset=opset)
+    out, count = _testing.apply_rules(model, static_dim_rules())
+    assert count == 1 and "Slice" not in [n.op_type for n in out.graph.node]
+    x = np.zeros((2, 3, 8, 5), np.float32)
+    np.testing.assert_array_equal(fidelity.run(out, [{"x": x}])[0][0], fidelity.run(model, [{"x": x}])[0][0])
+
+
+def test_slice_reaching_the_symbolic_batch_is_left_alone():
+    _, count = _testing.apply_rules(_model(0, 2, opset=13), static_dim_rules())
+    assert count == 0
