@@ -45,7 +45,7 @@ CATEGORY_TITLES = (
     ("exactness_break", "exactness break (all changes exact=True)"),
     ("fidelity_drop", f"fidelity drop > {FIDELITY_TOLERANCE}"),
     ("quantize_below_plain", f"quantize() below plain > {FIDELITY_TOLERANCE}"),
-    ("integer_lost", "quantize() runs float what plain runs integer"),
+    ("integer_lost", "runs float what its input / plain quantize_static runs integer"),
     ("batch_lost", "runs at batch 1 only where the input runs at batch 2"),
     ("timeout", "case timed out (hang in fix()/quantize()?)"),
     ("harness", "harness error (bug in the fuzzer itself)"),
@@ -279,6 +279,8 @@ def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
     if "disable_all" in outputs:
         _check_numbers(case, ref, result, outputs["disable_all"], report)
         _check_batch(case, ref, fixed_bytes, target, rules)
+        if target == "ort-cpu" and "enable_all" in outputs:
+            _check_fix_keeps_integer(case, ref, fixed_bytes, rules)
     _check_repeat(case, ref, fixed, fixed_bytes, target, rules)
     result.seconds = time.perf_counter() - start
 
@@ -343,6 +345,14 @@ def check_fix_case(seed: int, targets: tuple[str, ...] | None = None, verify: bo
         _check_target(case, ref, target)
     case.seconds = time.perf_counter() - start
     return case
+
+
+def _check_fix_keeps_integer(case: CaseResult, ref: _Reference, fixed_bytes: bytes, rules) -> None:
+    """fix(target="ort-cpu") must not leave ORT running more Conv/Gemm/MatMul in float than its input did."""
+    ours, theirs = float_weighted_ops(fixed_bytes), float_weighted_ops(ref.qdq_bytes)
+    if len(ours) > len(theirs):
+        case.fail("integer_lost", "ort-cpu", f"ORT runs {len(ours)} Conv/Gemm/MatMul in float on fix()'s model "
+                  f"({', '.join(ours)}), {len(theirs)} on its input", rules, float(len(ours) - len(theirs)))
 
 
 def _check_integer_kept(case: CaseResult, plain: onnx.ModelProto, model: onnx.ModelProto, report, rules) -> None:
