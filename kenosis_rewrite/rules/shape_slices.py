@@ -69,6 +69,14 @@ class SliceOfShape(RewriteRuleClassBase):
         return op.Shape(x, start=start, end=end)
 
 
+def _shape_read(x: ir.Value, shape_node: ir.Node) -> list:
+    """The dims of ``x`` (ints where static) that ``shape_node`` (``Shape``, maybe bounded) returns."""
+    rank = x.shape.rank()
+    start, end = (v + rank if v < 0 else v for v in (shape_node.attributes.get_int("start", 0),
+                                                      shape_node.attributes.get_int("end", rank)))
+    return list(x.shape)[max(0, start):min(rank, end)]
+
+
 class GatherOfShape(RewriteRuleClassBase):
     def __init__(self):
         # the Shape stays for its other readers (the height and the width Gathered from one Shape)
@@ -79,18 +87,13 @@ class GatherOfShape(RewriteRuleClassBase):
 
     def _dims(self, x: ir.Value, indices: ir.Value, dims: ir.Value, gathered: ir.Value) -> np.ndarray | str:
         """The gathered dims, or why they are not known."""
-        shape_node, gather_node = dims.producer(), gathered.producer()
         if x.shape is None:
             return "the tensor's rank is unknown"
         if indices.const_value is None:
             return "the indices are not constants"
-        if gather_node.attributes.get_int("axis", 0) not in (0, -1):
+        if gathered.producer().attributes.get_int("axis", 0) not in (0, -1):
             return "the Gather reads another axis"
-        rank = x.shape.rank()
-        start = shape_node.attributes.get_int("start", 0)
-        end = shape_node.attributes.get_int("end", rank)
-        start, end = (v + rank if v < 0 else v for v in (start, end))
-        read = list(x.shape)[max(0, start):min(rank, end)]
+        read = _shape_read(x, dims.producer())
         index = indices.const_value.numpy().astype(np.int64)
         if index.size and (index.min() < -len(read) or index.max() >= len(read)):
             return "an index is out of range"
@@ -118,7 +121,7 @@ class SliceOfStaticDims(RewriteRuleClassBase):
         return op.Slice(op.Shape(x, _outputs=["dims"]), starts, ends, _allow_other_inputs=True, _outputs=["sliced"])
 
     def _dims(self, x: ir.Value, starts: ir.Value, ends: ir.Value, dims: ir.Value, sliced: ir.Value) -> list[int] | str:
-        shape_node, slice_node = dims.producer(), sliced.producer()
+        slice_node = sliced.producer()
         if x.shape is None:
             return "the tensor's rank is unknown"
         axes, steps = (slice_node.inputs[3:4] or [None])[0], (slice_node.inputs[4:5] or [None])[0]
@@ -128,11 +131,8 @@ class SliceOfStaticDims(RewriteRuleClassBase):
             return "starts/ends/steps are not single constants"
         if axes is not None and _single_int(axes) not in (0, -1):
             return "the Slice reads another axis"
-        rank = x.shape.rank()
-        low, high = (v + rank if v < 0 else v for v in (shape_node.attributes.get_int("start", 0),
-                                                          shape_node.attributes.get_int("end", rank)))
         # Python's slice clamps and counts from the end as ONNX's Slice does
-        read = list(x.shape)[max(0, low):min(rank, high)][slice(start, min(end, 2**62), step)]
+        read = _shape_read(x, dims.producer())[slice(start, min(end, 2**62), step)]
         if not all(isinstance(dim, int) for dim in read):
             return "a sliced dim is not static"
         return read
