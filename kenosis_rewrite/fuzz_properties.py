@@ -279,8 +279,8 @@ def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
     if "disable_all" in outputs:
         _check_numbers(case, ref, result, outputs["disable_all"], report)
         _check_batch(case, ref, fixed_bytes, target, rules)
-        if target == "ort-cpu" and "enable_all" in outputs:
-            _check_fix_keeps_integer(case, ref, fixed_bytes, rules)
+        if target == "ort-cpu" and "enable_all" in outputs:  # fix() must not lose an integer kernel
+            _check_no_more_float(case, target, fixed_bytes, ref.qdq_bytes, "its input", rules)
     _check_repeat(case, ref, fixed, fixed_bytes, target, rules)
     result.seconds = time.perf_counter() - start
 
@@ -347,23 +347,14 @@ def check_fix_case(seed: int, targets: tuple[str, ...] | None = None, verify: bo
     return case
 
 
-def _check_fix_keeps_integer(case: CaseResult, ref: _Reference, fixed_bytes: bytes, rules) -> None:
-    """fix(target="ort-cpu") must not leave ORT running more Conv/Gemm/MatMul in float than its input did."""
-    ours, theirs = float_weighted_ops(fixed_bytes), float_weighted_ops(ref.qdq_bytes)
+def _check_no_more_float(case: CaseResult, target: str, model_bytes: bytes, reference_bytes: bytes,
+                         reference: str, rules) -> None:
+    """ORT must run no more Conv/Gemm/MatMul in float on ``model_bytes`` than on ``reference_bytes``
+    (graph-output producers aside: :func:`float_weighted_ops`)."""
+    ours, theirs = float_weighted_ops(model_bytes), float_weighted_ops(reference_bytes)
     if len(ours) > len(theirs):
-        case.fail("integer_lost", "ort-cpu", f"ORT runs {len(ours)} Conv/Gemm/MatMul in float on fix()'s model "
-                  f"({', '.join(ours)}), {len(theirs)} on its input", rules, float(len(ours) - len(theirs)))
-
-
-def _check_integer_kept(case: CaseResult, plain: onnx.ModelProto, model: onnx.ModelProto, report, rules) -> None:
-    """Where quantize() quantizes every op (the full plan), ORT must run no more Conv/Gemm/MatMul in
-    float on its model than on plain quantize_static's (graph-output producers aside: protected)."""
-    if not any(note.startswith("plan: full") for note in report.notes):
-        return
-    ours, theirs = float_weighted_ops(model.SerializeToString()), float_weighted_ops(plain.SerializeToString())
-    if len(ours) > len(theirs):
-        case.fail("integer_lost", "quantize()", f"ORT runs {len(ours)} Conv/Gemm/MatMul in float on quantize()'s model "
-                  f"({', '.join(ours)}), {len(theirs)} on plain quantize_static's", rules, float(len(ours) - len(theirs)))
+        case.fail("integer_lost", target, f"ORT runs {len(ours)} Conv/Gemm/MatMul in float on {target}'s model "
+                  f"({', '.join(ours)}), {len(theirs)} on {reference}", rules, float(len(ours) - len(theirs)))
 
 
 def check_quantize_case(seed: int) -> CaseResult:
@@ -419,6 +410,9 @@ def check_quantize_case(seed: int) -> CaseResult:
         if not result.drop <= FIDELITY_TOLERANCE:
             message = f"cosine vs FP32: quantize() {case.cos_quantize:.5f}, plain quantize_static {case.cos_plain:.5f}"
             case.fail("quantize_below_plain", "quantize()", message, sorted(result.changes), result.drop)
-        _check_integer_kept(case, plain, model, report, sorted(result.changes))
+        # where quantize() quantizes every op (the full plan), as many integer kernels as plain's
+        if any(note.startswith("plan: full") for note in report.notes):
+            _check_no_more_float(case, "quantize()", model_bytes, plain.SerializeToString(),
+                                 "plain quantize_static's", sorted(result.changes))
     case.seconds = time.perf_counter() - start
     return case

@@ -33,6 +33,13 @@ def _parsed(text: str, typed: bool = True) -> onnx.ModelProto:
     return proto
 
 
+def _protected_outputs(text: str) -> set[str]:
+    """The outputs of the nodes :func:`protected_nodes` names in the model of ``text``."""
+    proto = _parsed(text)
+    protected = set(protected_nodes(proto, set()))
+    return {node.output[0] for node in proto.graph.node if node.name in protected}
+
+
 def test_a_constant_shared_with_a_protected_node_is_copied_for_it_only():
     proto = _parsed(_SHARED_STRIDE, typed=False)
     protected = protected_nodes(proto, set())
@@ -65,13 +72,11 @@ g (float[1, 4, 2, "W"] x) => (float[1, 8] y)
 
 
 def test_a_shape_computed_from_shapes_protects_only_the_nodes_whose_float_inputs_it_reaches():
-    proto = _parsed(_RUN_TIME_RESHAPE)
-    by_output = {node.output[0]: node.name for node in proto.graph.node}
-    protected = set(protected_nodes(proto, set()))
+    protected = _protected_outputs(_RUN_TIME_RESHAPE)
     # the shape arithmetic, and the Mul that reads a float computed from it, stay float
-    assert {by_output[name] for name in ("n", "shape", "w", "scaled", "y")} <= protected
+    assert {"n", "shape", "w", "scaled", "y"} <= protected
     # the Reshape's and the Gather's data are the image's: their int64 shape and index are not quantized anyway
-    assert by_output["seq"] not in protected and by_output["t"] not in protected
+    assert "seq" not in protected and "t" not in protected
 
 
 def test_an_untyped_input_computed_from_shapes_is_taken_for_a_float():
@@ -98,8 +103,6 @@ g (float[1, 4, "H", "W"] x, float[1, 4, "H2", "W2"] skip) => (float[1, 4, "H2", 
 
 
 def test_a_resize_whose_float_scales_come_from_shapes_still_has_its_data_quantized():
-    proto = _parsed(_RUN_TIME_SCALES)
-    by_output = {node.output[0]: node.name for node in proto.graph.node}
-    protected = set(protected_nodes(proto, set()))
-    assert by_output["scales"] in protected  # the float arithmetic on shapes stays float
-    assert by_output["up"] not in protected and by_output["y"] not in protected
+    protected = _protected_outputs(_RUN_TIME_SCALES)
+    assert "scales" in protected  # the float arithmetic on shapes stays float
+    assert "up" not in protected and "y" not in protected
