@@ -7,10 +7,11 @@
    position embeddings resized to its patch grid), and an input has symbolic dims, the dims are
    pinned to the shapes in use (``input_shapes``, or the feeds' shapes where every feed agrees) so
    the shape arithmetic folds: first the static dims it reads from a partly static shape are read
-   as the constants they are (``Gather(Shape(x), 2)``: :func:`~kenosis_rewrite.rules.shape_slices.static_dim_rules`),
-   then the spatial dims are pinned, the batch only if such a Pad/Resize remains. A Resize of data
-   to a computed size pins nothing (:func:`computed_layout_parameters`). The prepared model then accepts only those shapes; the report
-   says which dims were pinned. Shape arithmetic anywhere else (a recurrent state's batch size, an
+   as the constants they are (``Gather(Shape(x), 2)``:
+   :func:`~kenosis_rewrite.rules.shape_slices.static_dim_rules`), then the spatial dims are pinned,
+   the batch only if such a Pad/Resize remains. A Resize of data to a computed size pins nothing
+   (:func:`computed_layout_parameters`). The prepared model then accepts only those shapes; the
+   report says which dims were pinned. Shape arithmetic anywhere else (a recurrent state's batch size, an
    attention mask's length, a detector's anchors) pins nothing: the model keeps accepting every
    shape, and quantize() keeps that arithmetic float (``float-shape-arithmetic``).
 2. **Constant folding and onnxscript's default rules** (``onnxscript.optimizer``): shape
