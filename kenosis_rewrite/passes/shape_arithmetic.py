@@ -54,9 +54,10 @@ def value_origins(
 
     Graph inputs are DATA unless named in ``metadata_inputs`` (SHAPE then). A node's outputs are
     DATA when it reads DATA (a shape reader's only with ``shape_paths=False``), SHAPE when it reads
-    SHAPE or is a shape reader / index generator (with ``shape_paths``), and otherwise -- every input
-    constant -- ``computed_constants``. Nodes with subgraphs count as DATA producers when they read
-    DATA, like any node.
+    SHAPE or is a shape reader of a non-constant / an index generator (with ``shape_paths``), and
+    otherwise -- every input constant -- ``computed_constants``: the shape of a constant is a
+    constant (``W + Expand(b, Shape(W))`` is a weight computed at run time, not shape arithmetic).
+    Nodes with subgraphs count as DATA producers when they read DATA, like any node.
     """
     metadata = set(metadata_inputs)
     origins: dict[ir.Value, Origin] = {}
@@ -68,7 +69,7 @@ def value_origins(
         kinds = {origins.get(v, Origin.CONSTANT) for v in node.inputs if v is not None}
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             kind = Origin.CONSTANT
-        elif shape_paths and node.op_type in SHAPE_READERS:
+        elif shape_paths and node.op_type in SHAPE_READERS and kinds != {Origin.CONSTANT}:
             kind = Origin.SHAPE
         elif Origin.DATA in kinds:
             kind = Origin.DATA

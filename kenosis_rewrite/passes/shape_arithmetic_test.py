@@ -103,3 +103,33 @@ def test_weights_behind_quantize_are_not_shape_arithmetic():
     fixed, report = _testing.apply_pass(qdq, FloatShapeArithmeticPass)
     assert RULE_NAME not in report.change_counts()
     assert _testing.op_types(fixed) == _testing.op_types(qdq)
+
+
+def test_a_weight_computed_from_its_own_shape_is_a_constant_not_shape_arithmetic():
+    """``W + Expand(b, Shape(W))`` reads only constants: the shape of a constant is a constant. The
+    MatMul keeps its quantized weight (ORT runs it integer) and fix() changes nothing there."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        onnx.helper.make_node("Shape", ["w"], ["w_shape"]),
+        onnx.helper.make_node("Expand", ["b", "w_shape"], ["b_wide"]),
+        onnx.helper.make_node("Add", ["w", "b_wide"], ["w_total"]),
+        onnx.helper.make_node("MatMul", ["x", "w_total"], ["y"]),
+    ]
+    float_model = onnx.helper.make_model(onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
+        [onnx.numpy_helper.from_array(rng.normal(0, 0.3, (16, 8)).astype(np.float32), "w"),
+         onnx.numpy_helper.from_array(rng.normal(0, 0.1, (8,)).astype(np.float32), "b")]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    feeds = [{"x": rng.normal(0, 1, (2, 16)).astype(np.float32)} for _ in range(4)]
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    graph = ir.serde.deserialize_model(qdq).graph
+    origins = value_origins(graph)
+    assert {origins[n.outputs[0]] for n in graph if n.op_type in ("Shape", "Expand", "Add")} == {Origin.CONSTANT}
+    assert _shape_path_quantizers(qdq) == []
+    fixed, report = fix(qdq, calibration=feeds, return_report=True)
+    assert RULE_NAME not in report.change_counts()
+    matmul = next(n for n in ir.serde.deserialize_model(fixed).graph if n.op_type == "MatMul")
+    assert all(v.producer() is not None and v.producer().op_type == "DequantizeLinear" for v in matmul.inputs)
+    for feed in feeds:
+        np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(qdq, feed)[0])
