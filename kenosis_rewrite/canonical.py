@@ -72,6 +72,7 @@ from kenosis_rewrite.passes.shape_arithmetic import Origin, value_origins
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.channel_affine import channel_affine_rules
 from kenosis_rewrite.rules.gemm_addend import gemm_addend_rules
+from kenosis_rewrite.rules.materialized_reshape import MATERIALIZE_RESHAPE_RULE_NAME, materialized_reshape_rules
 from kenosis_rewrite.rules.op_filter import op_filtered
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.shape_slices import shape_slice_rules, static_dim_rules
@@ -259,6 +260,14 @@ def _same_inference_reads(last: tuple, now: tuple) -> bool:
     return True
 
 
+def _rewrite_rules() -> tuple:
+    """onnxscript's default rewrite rules, its MaterializeReshapeShape replaced by ours (valid before
+    opset 14: :mod:`kenosis_rewrite.rules.materialized_reshape`)."""
+    ours = materialized_reshape_rules().rules
+    return tuple(replacement for rule in _DEFAULT_REWRITE_RULES
+                 for replacement in (ours if rule.name == MATERIALIZE_RESHAPE_RULE_NAME else [rule]))
+
+
 def _optimize_ir(model: ir.Model, num_iterations: int, should_fold=lambda node: None,
                  inferred: dict[ir.Node, tuple] | None = None) -> None:
     """``onnxscript.optimizer.optimize_ir(model, num_iterations)`` (onnxscript 0.7: the same passes,
@@ -274,7 +283,7 @@ def _optimize_ir(model: ir.Model, num_iterations: int, should_fold=lambda node: 
                                               input_size_limit=DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
                                               output_size_limit=DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
                                               should_fold=should_fold, inferred=inferred),
-                RewritePass(op_filtered(_DEFAULT_REWRITE_RULES)),
+                RewritePass(op_filtered(_rewrite_rules())),
                 common_passes.RemoveUnusedNodesPass(),
                 common_passes.RemoveUnusedFunctionsPass(),
                 common_passes.RemoveUnusedOpsetsPass(),
@@ -321,14 +330,26 @@ def _fold_static_dim_reads(model: ir.Model, inferred: dict[ir.Node, tuple]) -> N
             return
 
 
+# the opset from which ONNX's Reshape inference reads a target shape known only by data propagation
+_RESHAPE_INFERS_PROPAGATED_SHAPE = 14
+
+
 def _propagated_dims(model: ir.Model) -> bool:
     """Fill the unknown dims of the main graph's values with the static ones ONNX shape inference
     finds when it propagates shape values (``data_prop``): behind a Resize to a computed size
     (``Concat(Shape(x)[0:2], Shape(x)[2:4] * 2)``) node-by-node inference knows no spatial dim, and
     the padding computed from them would only fold with the batch pinned too (fuzz seed 20002019).
-    Nothing changes where inference fails. True when a dim became known."""
+    Nothing changes where inference fails. True when a dim became known.
+
+    An opset-13 graph is inferred as opset 14, the same ops but for Reshape's ``allowzero``
+    (default off, the same semantics): Reshape-13's inference ignores a propagated target shape,
+    and a padding computed behind ``Reshape(x, Concat(Shape(x)[0:1], [...]))`` pinned the batch
+    (fuzz seed 20002086)."""
     try:
         proto = ir.serde.serialize_model(model)
+        for opset in proto.opset_import:
+            if opset.domain in ("", "ai.onnx") and opset.version == _RESHAPE_INFERS_PROPAGATED_SHAPE - 1:
+                opset.version = _RESHAPE_INFERS_PROPAGATED_SHAPE
         found = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:  # noqa: BLE001 - inference is a help here, not a requirement
         return False
@@ -341,7 +362,7 @@ def _propagated_dims(model: ir.Model) -> bool:
             continue
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
         if value.shape is None:
-            if value.type is not None and all(d is not None for d in dims):
+            if value.type is not None and any(d is not None for d in dims):
                 value.shape, changed = ir.Shape(dims), True
             continue
         if len(value.shape) != len(dims):

@@ -422,9 +422,10 @@ def test_fuzz_seed_that_once_failed(seed):
 
 # dynamic-batch exports: 20000030, a Resize of data to a computed size pinned every input dim;
 # 20000416, a MatMul reading an output-path Concat of unlike ranges was kept float; 20002019 and
-# 20002129, run-time "same" padding behind a computed Resize / read by Slice at opset 14 pinned the batch
+# 20002129, run-time "same" padding behind a computed Resize / read by Slice at opset 14 pinned the batch;
+# 20002086, the same behind an opset-13 Reshape to a computed shape
 @pytest.mark.parametrize("seed", [45, 20035, 3400082, 3601662, 3601678, 3603132, 3604208, 20000030, 20000416,
-                                  20002019, 20002129])
+                                  20002019, 20002129, 20002086])
 def test_quantize_seed_that_once_failed(seed):
     case = fuzz.check_quantize_case(seed)
     assert not case.failures, [f.describe() for f in case.failures]

@@ -407,3 +407,48 @@ def test_a_table_resized_to_a_grid_read_from_static_dims_folds_without_pinning_t
         got, want = fidelity.run(quantized, feed)[0][0], fidelity.run(model, feed)[0][0]
         assert got.shape == want.shape == (batch, 4, 4, 4)
         assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_same_padding_behind_a_reshape_to_a_computed_shape_folds_without_pinning_the_batch(opset):
+    """``y.view(x.shape[0], 4, 4, 10)`` then TF "same" padding read from the view's shape: ONNX's
+    Reshape-13 inference ignores a target shape known only by data propagation, so the view's dims
+    were unknown and the padding folded only with the batch pinned (fuzz seed 20002086)."""
+    weights = ", ".join(f"{v:.3f}" for v in np.random.default_rng(4).standard_normal(4 * 4 * 3 * 3) * 0.3)
+    model = onnx.parser.parse_model(f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[N, 4, 10, 4] x) => (float[N, 4, 4, 10] y)
+    <float[4, 4, 3, 3] w = {{{weights}}}, int64 zero = {{0}}, int64 two = {{2}}, int64 three = {{3}},
+     int64[1] axis0 = {{0}}, int64[3] rest = {{4, 4, 10}}, int64[2] twos = {{2, 2}}, int64[2] pair = {{0, 0}}>
+    {{
+      r = Relu(x)
+      s = Shape(r)
+      n = Gather <axis = 0> (s, zero)
+      n1 = Unsqueeze(n, axis0)
+      target = Concat <axis = 0> (n1, rest)
+      v = Reshape(r, target)
+      vs = Shape(v)
+      h = Gather <axis = 0> (vs, two)
+      wd = Gather <axis = 0> (vs, three)
+      h1 = Unsqueeze(h, axis0)
+      w1 = Unsqueeze(wd, axis0)
+      hw = Concat <axis = 0> (h1, w1)
+      grown = Add(hw, twos)
+      total = Sub(grown, hw)
+      before = Div(total, twos)
+      after = Sub(total, before)
+      pads = Concat <axis = 0> (pair, before, pair, after)
+      padded = Pad(v, pads)
+      y = Conv(padded, w)
+    }}""")
+    feeds = _feeds([1, 4, 10, 4], 8)
+    prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
+    assert "pin-input-shapes" not in {c.rule for c in report.changes}
+    assert "Pad" not in _ops(prepared)  # folded into the Conv's pads
+    assert prepared.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+    quantized = kenosis_rewrite.quantize(model, feeds)
+    for batch in (2, 1):
+        feed = _feeds([batch, 4, 10, 4], 1, seed=batch)
+        got, want = fidelity.run(quantized, feed)[0][0], fidelity.run(model, feed)[0][0]
+        assert got.shape == want.shape == (batch, 4, 4, 10)
+        assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
