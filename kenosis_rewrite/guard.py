@@ -29,9 +29,13 @@ from onnx_ir.passes import common as common_passes
 from kenosis_rewrite import _qdq, fidelity, value_range
 from kenosis_rewrite.report import FixReport
 
-__all__ = ["DEFAULT_TOLERANCE", "Guard", "candidate_undos", "cosine_floor"]
+__all__ = ["BLIND_COSINE", "DEFAULT_TOLERANCE", "Guard", "candidate_undos", "cosine_floor"]
 
 DEFAULT_TOLERANCE = 0.005
+# below this cosine of the input against its own reference on made-up feeds, those feeds do not
+# drive the model the way data does (a text detector's probability map on noise is ~0 everywhere:
+# 0.003-0.05 on PP-OCR's DB detectors), and a cosine measured there says nothing about accuracy
+BLIND_COSINE = 0.9
 # symmetric-int8-activations gives TensorRT/NPU the format they require; its stated bound: each
 # activation's step grows at most 255/127 (a one-sided tensor loses one bit), so quantization noise
 # power, and ``1 - cosine`` with it, grows at most by the square.
@@ -101,6 +105,7 @@ class Guard:
 
     def __post_init__(self) -> None:
         given = [dict(feed) for feed in self.feeds][:_FEEDS]
+        self.given = bool(given)
         # made-up feeds: the dynamic dims at another size where the default size does not run
         sizes = [None] if given or not fidelity.has_dynamic_dims(self.model) else [None, *fidelity.OTHER_DYNAMIC_SIZES]
         self.unavailable = ""
@@ -118,6 +123,17 @@ class Guard:
             self.unavailable = ""
             self.input_cosines = _per_output_cosines(self.reference, self.input_optimized)
             return
+
+    def blindness(self) -> str | None:
+        """Why the guard's cosines say nothing about accuracy on data, or None: the feeds are made up
+        (no calibration given) and on them the input itself is far from its reference."""
+        if self.unavailable or self.given:
+            return None
+        lowest = min(self.input_cosines, key=lambda c: -1.0 if np.isnan(c) else c, default=1.0)
+        if np.isnan(lowest) or lowest < BLIND_COSINE:
+            return (f"on made-up feeds the input model's own cosine against its reference is {lowest:.3f} "
+                    f"(< {BLIND_COSINE}): those feeds do not drive it the way data does")
+        return None
 
     def violation(self, model: onnx.ModelProto, report: FixReport) -> str | None:
         """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None."""
