@@ -135,7 +135,9 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     input_dq, weight_dq, bias_dq = (value.producer() for value in node.inputs[:3])
     bias_value = node.inputs[2]
     quantize = input_dq.inputs[0].producer() if _qdq.is_dequantize(input_dq) else None
-    if not _qdq.is_quantize(quantize) or _qdq.quant_params(quantize) is None or _qdq.quant_params(input_dq) is None:
+    concat_source = _codes_concat_source(quantize, float_readers) if quantize is not None else None
+    if concat_source is None and (not _qdq.is_quantize(quantize) or _qdq.quant_params(quantize) is None) \
+            or _qdq.quant_params(input_dq) is None:
         return "input is not Q -> DQ with constant parameters"
     if not _qdq.is_dequantize(weight_dq) or _qdq.const_array(weight_dq.inputs[0]) is None or _qdq.quant_params(weight_dq) is None:
         return "weights are not DequantizeLinear of a constant"
@@ -153,7 +155,7 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
         if len(bias_dq.inputs[0].uses()) != 1 or len(bias_dq.outputs[0].uses()) != 1:
             return "bias is shared with another layer"
         bias, bias_scale = bias_dq.inputs[0], bias_params.scale.astype(np.float64).reshape(-1)
-    source = quantize.inputs[0].name
+    source = concat_source or quantize.inputs[0].name
     original = float_counterpart(node, source, float_readers)
     if original is None:
         return f"no FP32 {node.op_type} reading {source!r} to compare with"
@@ -161,6 +163,23 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
         return (f"the FP32 {node.op_type} {original.name or original.output[0]!r} has other weights than the "
                 "quantized one beyond rounding (folded BatchNormalization or scale?): not comparable")
     return _Layer(node, source, original.output[0], bias, bias_scale, original)
+
+
+def _codes_concat_source(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]]) -> str | None:
+    """For a Concat of quantized codes (``concat-on-codes``: ``Concat(Q(a), Q(b), ...)``), the output
+    of the FP32 Concat of ``a, b, ...`` (same axis): the float tensor the layer's input quantizes."""
+    if node.op_type != "Concat" or node.domain not in _qdq.DEFAULT_DOMAINS:
+        return None
+    quantizers = [value.producer() if value is not None else None for value in node.inputs]
+    if not quantizers or not all(_qdq.is_quantize(q) for q in quantizers):
+        return None
+    floats = [q.inputs[0].name for q in quantizers]
+    axis = node.attributes.get_int("axis", 0)
+    for candidate in float_readers.get(floats[0], ()):
+        if candidate.op_type == "Concat" and list(candidate.input) == floats and \
+                next((a.i for a in candidate.attribute if a.name == "axis"), 0) == axis:
+            return candidate.output[0]
+    return None
 
 
 def _initializer(graph: ir.Graph, names: _qdq.NameAllocator, value: ir.Value | None) -> ir.Value | None:
@@ -433,6 +452,9 @@ def _probe(float_proto: onnx.ModelProto, layers: Sequence[_Layer], plans: Sequen
             return add(_copied(dq_or_q, [data, *params]))
 
         x = fp32(layer.source)
+        if not _qdq.is_quantize(quantize):  # a Concat of codes: x quantized as the DQ reads them
+            quantize = ir.node("QuantizeLinear", [None, *input_dq.inputs[1:]],
+                               attributes={a.name: a.value for a in input_dq.attributes.values()})
         quantized_x = copy(input_dq, copy(quantize, x))
         if plan is not None:
             error = add(ir.node("Sub", [quantized_x, x]))

@@ -148,12 +148,18 @@ class FixPass(ir.passes.InPlacePass):
 
 
 def apply_rules(model: ir.Model, target: str, names: Iterable[str], report: FixReport | None = None) -> bool:
-    """Apply only the rules of ``target`` named in ``names``; True when any rewrote ``model``. For a
-    pipeline that ran :class:`FixPass` with them disabled and applies them last (quantize() lowers
-    the integer MatMuls' bias Adds after bias correction, which reads the QDQ form)."""
+    """Apply only the rules and post passes of ``target`` named in ``names``; True when any rewrote
+    ``model``. For a pipeline that ran :class:`FixPass` with them disabled and applies them last
+    (quantize() lowers the integer MatMuls' bias Adds, and concatenates codes, after bias correction,
+    which reads the QDQ form)."""
     wanted = frozenset(names)
-    rules = [rule for rule in get_target(target).rules(report) if rule.name in wanted]
-    return bool(rules) and _rewrite_until_done(op_filtered(rules))(model).modified
+    target_ = get_target(target)
+    rules = [rule for rule in target_.rules(report) if rule.name in wanted]
+    modified = bool(rules) and _rewrite_until_done(op_filtered(rules))(model).modified
+    for step in target_.post_passes(report):
+        if getattr(step, "rule_name", None) in wanted:
+            modified = step(model).modified or modified
+    return modified
 
 
 def interface(proto: onnx.ModelProto) -> tuple:

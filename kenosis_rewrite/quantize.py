@@ -54,6 +54,7 @@ from kenosis_rewrite.canonical import prepare_serialized
 from kenosis_rewrite.equalization import ChannelMaxima, equalize
 from kenosis_rewrite.errors import ControlFlowError, KenosisError, ModelTooLargeError, one_line
 from kenosis_rewrite.ort_quantize import quiet_logger
+from kenosis_rewrite.passes.concat_on_codes import RULE_NAME as CONCAT_ON_CODES
 from kenosis_rewrite.passes.dynamic_activations import DynamicActivationsPass
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.passes.output_quantizers import RULE_NAME as OUTPUT_QUANTIZERS
@@ -580,7 +581,8 @@ def quantize(
     quantized_nodes = {node.name for node in model.graph if node.name}
     _mark_deleted_activations(proto, model, quantized_nodes)
     # the integer MatMuls keep their QDQ form until bias correction and the FP32 fallbacks have read it
-    deferred = (INTEGER_MATMUL_BIAS,)
+    # and so do the Concats on one grid, until then in QDQ form too
+    deferred = (INTEGER_MATMUL_BIAS, CONCAT_ON_CODES)
     # the weighted plan leaves its layers' outputs float by design: no output quantizers to add (its
     # refusals read "no range measured ... pass calibration= feeds" beside the feeds the user passed)
     planned_float = (OUTPUT_QUANTIZERS,) if chosen_plan in WEIGHTED_PLANS else ()

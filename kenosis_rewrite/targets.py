@@ -41,6 +41,7 @@ from kenosis_rewrite.passes.contrib_qdq import ContribQDQToStandardPass
 from kenosis_rewrite.passes.dequantize import DequantizeBiasPass
 from kenosis_rewrite.passes.activation_scale_folding import FoldPerChannelActivationScalesPass
 from kenosis_rewrite.passes.per_tensor_activations import PerTensorActivationsPass
+from kenosis_rewrite.passes.concat_on_codes import ConcatOnCodesPass
 from kenosis_rewrite.passes.qdq_propagation import DequantizeAfterSplitPass, DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
 from kenosis_rewrite.passes.qparam_propagation import PassThroughQParamsPass
 from kenosis_rewrite.passes.requantize_after_movement import RequantizeAfterDataMovementPass
@@ -115,6 +116,8 @@ def _ort_post(report: Report) -> list:
         PassThroughQParamsPass(report),
         # MaxPool/Concat outputs left float (NNCF's SPPF) would keep the Conv they feed float
         DequantizeForwardPass(report, ops=frozenset({"MaxPool", "Concat"}), float_consumers_only=True),
+        # and a Concat on one grid, which ORT would run as a requantizing QLinearConcat
+        ConcatOnCodesPass(report),
         BiasRescalePass(report), ActivationBeforeDataMovementPass(report), RequantizeAfterDataMovementPass(report),
     ]
 

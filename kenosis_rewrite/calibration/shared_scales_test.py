@@ -68,10 +68,12 @@ def test_excluded_nodes_do_not_join_a_group():
 
 
 def _dequantize_params(model: onnx.ModelProto, tensor: str) -> tuple[float, int]:
+    """The grid ``tensor`` is on: its DequantizeLinear's, or its QuantizeLinear's where the Concat
+    reads the codes (``concat-on-codes``, when every input and reader share one grid)."""
     producers = {o: n for n in model.graph.node for o in n.output}
     initializers = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     node = producers[tensor]
-    assert node.op_type == "DequantizeLinear", node.op_type
+    assert node.op_type in ("DequantizeLinear", "QuantizeLinear"), node.op_type
     return float(initializers[node.input[1]]), int(initializers[node.input[2]])
 
 
@@ -84,6 +86,7 @@ def test_quantize_puts_every_concat_input_on_one_scale_and_stays_faithful():
     concat = _concat(shared)
     params = {_dequantize_params(shared, name) for name in concat.input}
     assert len(params) == 1, params
+    assert report.change_counts().get("concat-on-codes") == 1  # one grid: ORT copies the codes
     # the unshared model gives the Concat inputs different scales: the test can fail
     assert len({_dequantize_params(separate, name) for name in _concat(separate).input}) > 1
     assert onnx.checker.check_model(shared, full_check=True) is None
