@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from kenosis_rewrite.fuzz_models import QUANTIZABLE_WEIGHTED
 from kenosis_rewrite.fuzz_running import first_line, run_model
@@ -72,6 +72,10 @@ def random_quant_config(rng: np.random.Generator, op_types: list[str] | None = N
     }
     if op_types and rng.random() < 0.2:
         config["op_types_to_quantize"] = _op_types_subset(rng, sorted(set(op_types)))
+    # Post-processing too: every Concat's inputs and output on one grid, as NNCF's and Quark's
+    # unified scales put them (drawn from a stream of its own: rng's draws stay those of before)
+    if np.random.Generator(rng.bit_generator.jumped(2)).random() < 0.15:
+        config["unified_concat_grids"] = True
     return config
 
 
@@ -116,6 +120,8 @@ def quantize_or_skip(fp32: onnx.ModelProto, config: dict, feeds) -> tuple[onnx.M
             onnx.save(fp32, source)
             quantize_static(source, target, FeedsReader(feeds), **_static_kwargs(config))
             model = onnx.load(target)
+        if config.get("unified_concat_grids"):
+            model = _unified_concat_grids(model)
         if config.get("qparams_as_constant_nodes"):
             model = _qparams_to_constant_nodes(model)
     except Exception as error:  # noqa: BLE001 - the quantizer raises many unrelated types
@@ -126,6 +132,51 @@ def quantize_or_skip(fp32: onnx.ModelProto, config: dict, feeds) -> tuple[onnx.M
         except Exception as error:  # noqa: BLE001
             return None, f"ORT cannot load or run the quantize_static output at {level}: {first_line(error)}"
     return model, None
+
+
+def _unified_concat_grids(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each Concat of per-tensor dequantized inputs whose every reader is a per-tensor Q of the same
+    type, with every one of those quantizers (and every DQ reading them) on one grid: the union of
+    the ranges they represented, zero included."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    producers = {name: node for node in model.graph.node for name in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+
+    def params(node):
+        if len(node.input) < 3 or node.input[1] not in initializers or node.input[2] not in initializers:
+            return None
+        scale, zero = (numpy_helper.to_array(initializers[n]) for n in node.input[1:3])
+        return (scale, zero) if scale.size == 1 and zero.size == 1 and zero.dtype in (np.uint8, np.int8) else None
+
+    for index, concat in enumerate([n for n in model.graph.node if n.op_type == "Concat"]):
+        dequantizers = [producers.get(name) for name in concat.input]
+        quantizers = [producers.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+                      for dq in dequantizers]
+        outputs = readers.get(concat.output[0], [])
+        group = [q for q in quantizers if q is not None and q.op_type == "QuantizeLinear"] + outputs
+        if len(group) != len(quantizers) + len(outputs) or not outputs or any(
+                q.op_type != "QuantizeLinear" or params(q) is None for q in group):
+            continue
+        types = {params(q)[1].dtype for q in group}
+        if len(types) != 1:
+            continue
+        dtype = types.pop()
+        qmin, qmax = (0, 255) if dtype == np.uint8 else (-128, 127)
+        lows, highs = zip(*[(float(s) * (qmin - int(z)), float(s) * (qmax - int(z))) for s, z in (params(q) for q in group)])
+        lo, hi = min(min(lows), 0.0), max(max(highs), 0.0)
+        scale = np.float32((hi - lo) / (qmax - qmin))
+        zero = np.array(np.clip(np.rint(qmin - lo / scale), qmin, qmax), dtype)
+        scale_name, zero_name = f"unified_concat_{index}_scale", f"unified_concat_{index}_zero_point"
+        model.graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), scale_name),
+                                        numpy_helper.from_array(zero, zero_name)])
+        for q in group:
+            for node in [q, *readers.get(q.output[0], [])]:
+                if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                    node.input[1], node.input[2] = scale_name, zero_name
+    return model
 
 
 def _qparams_to_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -78,3 +78,21 @@ def test_fix_on_ort_cpu_applies_it():
     assert report.change_counts().get(RULE_NAME) == 1, report.summary()
     for feed in _feeds():
         np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(_model(), feed)[0])
+
+
+def test_the_fuzz_unified_grids_config_feeds_it_and_fix_stays_bit_exact():
+    """The property fuzz's ``unified_concat_grids`` (NNCF/Quark-style one grid per Concat) makes the
+    pattern; fix() without its guard rewrites it and claims exactness, which the outputs bear out."""
+    from kenosis_rewrite import fuzz_configs, toy_models  # noqa: PLC0415
+
+    float_model = toy_models.build("concat", seed=2)
+    feeds = toy_models.random_feeds(float_model, 4, seed=3)
+    config = {**fuzz_configs.plain_quant_config(), "unified_concat_grids": True}
+    qdq, why = fuzz_configs.quantize_or_skip(float_model, config, feeds)
+    assert qdq is not None, why
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True, verify=False)
+    assert report.change_counts().get(RULE_NAME) == 1, report.summary()
+    assert all(c.exact for c in report.changes)
+    for feed in feeds:
+        np.testing.assert_array_equal(_testing.outputs(fixed, feed, optimized=False)[0],
+                                      _testing.outputs(qdq, feed, optimized=False)[0])
