@@ -64,6 +64,7 @@ class ConcatOnCodesPass(ReportingPass):
             graph.insert_after(node, concat)
             concat.outputs[0].name = names.fresh(f"{node.outputs[0].name or 'concat'}_codes")
             concat.outputs[0].type = readers[0].outputs[0].type
+            concat.outputs[0].shape = readers[0].outputs[0].shape or node.outputs[0].shape
             for reader in readers:
                 reader.outputs[0].replace_all_uses_with(concat.outputs[0])
             modified = True
