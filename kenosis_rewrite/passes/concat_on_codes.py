@@ -63,8 +63,9 @@ class ConcatOnCodesPass(ReportingPass):
                              name=names.fresh(f"{node.name or 'Concat'}_codes"))
             graph.insert_after(node, concat)
             concat.outputs[0].name = names.fresh(f"{node.outputs[0].name or 'concat'}_codes")
-            concat.outputs[0].type = readers[0].outputs[0].type
-            concat.outputs[0].shape = readers[0].outputs[0].shape or node.outputs[0].shape
+            # the codes' type (a Q output's type may be unset) and the float Concat's shape
+            concat.outputs[0].type = ir.TensorType(params.dtype)
+            concat.outputs[0].shape = node.outputs[0].shape or readers[0].outputs[0].shape
             for reader in readers:
                 reader.outputs[0].replace_all_uses_with(concat.outputs[0])
             modified = True
