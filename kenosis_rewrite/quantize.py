@@ -45,6 +45,7 @@ from onnxruntime.quantization import QuantFormat, QuantType
 
 from kenosis_rewrite import _io, _qdq, fidelity, sensitivity, value_range
 from kenosis_rewrite import calibration as calib
+from kenosis_rewrite._gc import caller_objects_frozen
 from kenosis_rewrite.bias_correction import RULE_NAME as BIAS_CORRECTION
 from kenosis_rewrite.bias_correction import correct_biases
 from kenosis_rewrite.calibration.ort_static import ranges_the_quantizer_sets
@@ -377,6 +378,7 @@ def _metadata_inputs(model: onnx.ModelProto) -> set[str]:
     return {s.name for s in specs if s.kind in ("metadata", "float")}
 
 
+@caller_objects_frozen
 def quantize(
     float_model: _io.ModelLike,
     calibration: Iterable[Mapping[str, np.ndarray]] | str | os.PathLike | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import numpy as np
@@ -38,6 +39,22 @@ def test_user_feeds_and_percentile_method():
     quantized, report = quantize(float_model, feeds, calibration_method="percentile", return_report=True)
     assert "8 user feeds" in report.summary() and "calibration method: percentile" in report.summary()
     assert fidelity.compare_to_float(float_model, {"q": quantized}, feeds)["q"]["cosine"] > 0.999
+
+
+def test_quantize_freezes_the_callers_objects_while_it_runs_and_releases_them(monkeypatch):
+    """kenosis_rewrite._gc: no full collection over the caller's objects inside quantize()."""
+    quantize_module = sys.modules["kenosis_rewrite.quantize"]
+    prepare, frozen = quantize_module.prepare_serialized, []
+
+    def watched(*args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(quantize_module, "prepare_serialized", watched)
+    float_model = toy_models.build("conv_add_relu")
+    quantize(float_model, toy_models.random_feeds(float_model, 2))
+    assert frozen and frozen[0] > 1000
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
 def _with_metadata_input() -> onnx.ModelProto:
