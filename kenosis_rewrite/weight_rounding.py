@@ -161,7 +161,11 @@ def _padded(layer: _Layer, x: np.ndarray) -> np.ndarray:
     """One sample (channels, height, width) with the layer's zero padding, as (channels, pixels)."""
     top, left, bottom, right = layer.pads
     if top or left or bottom or right:
-        x = np.pad(x, ((0, 0), (top, bottom), (left, right)))
+        # np.pad's own bookkeeping costs more than the copy on these small maps (PP-OCR cls: 12 ms a build)
+        channels, height, width = x.shape
+        padded = np.zeros((channels, top + height + bottom, left + width + right), x.dtype)
+        padded[:, top:top + height, left:left + width] = x
+        x = padded
     return x.reshape(x.shape[0], -1)
 
 
