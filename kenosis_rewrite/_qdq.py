@@ -168,7 +168,7 @@ def integer_tensor(values: np.ndarray, dtype: ir.DataType, name: str) -> ir.Tens
     values = np.asarray(values)
     if values.size and (values.min() < lo or values.max() > hi):
         raise ValueError(f"values out of range for {dtype.name}")
-    return ir.tensor(values.astype(dtype.numpy()), dtype=dtype, name=name)
+    return ir.Tensor(values.astype(dtype.numpy()), dtype=dtype, name=name)
 
 
 class NameAllocator:

@@ -73,7 +73,7 @@ def _is_float(value: ir.Value) -> bool:
 
 
 def _tensor_like(values: np.ndarray, like: ir.Value, name: str) -> ir.Tensor:
-    return ir.tensor(values.astype(like.const_value.numpy().dtype), name=name)
+    return ir.Tensor(values.astype(like.const_value.numpy().dtype), name=name)
 
 
 class _AffineAfter(NamingRule):
