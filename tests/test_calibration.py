@@ -135,6 +135,20 @@ def test_chosen_tensors_only_are_measured_as_in_a_whole_pass(tmp_path):
         collect_ranges(model, feeds, progress=False, tensors=chosen, cache=tmp_path)
 
 
+def test_a_partial_measurement_saved_is_no_cache_of_the_model(tmp_path):
+    """Only a measurement of every tensor carries the model's hash: a saved partial one matches no
+    model, so a later cached call measures every tensor instead of returning the few."""
+    model = toy_models.build("resnetish")
+    feeds = toy_models.random_feeds(model, 3)
+    whole = collect_ranges(model, feeds, "minmax", progress=False)
+    assert len(whole.model_sha256) == 64
+    some = collect_ranges(model, feeds, "minmax", progress=False, tensors=sorted(whole)[:2])
+    assert some.model_sha256 == "" and len(some) == 2
+    (tmp_path / "ranges.json").write_text(json.dumps(some.to_json()))
+    again = collect_ranges(model, feeds, "minmax", progress=False, cache=tmp_path / "ranges.json")
+    assert again.ranges == whole.ranges
+
+
 def test_histogram_growth_is_exact():
     rng = np.random.default_rng(0)
     histogram = StreamingHistogram(bins=64)

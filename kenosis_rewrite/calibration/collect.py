@@ -504,7 +504,8 @@ def collect_ranges(
     :func:`collect_histograms` (not called when the ranges come from the cache). ``tensors``: only
     these, as in :func:`collect_histograms` (not with ``cache``: a ranges file holds every tensor);
     ``borrowed`` likewise. ``extremes``: tensors whose range is their exact min/max whatever the
-    method (:mod:`~kenosis_rewrite.calibration.output_extremes`; not with ``cache`` either).
+    method (:mod:`~kenosis_rewrite.calibration.output_extremes`; not with ``cache`` either). With any
+    of these three the result's ``model_sha256`` is empty: saved, it matches no model as a cache.
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")
@@ -512,7 +513,10 @@ def collect_ranges(
         raise ValueError("a calibration cache holds the ranges of every tensor by one method: pass tensors=, "
                          "borrowed= or extremes=, or cache=, not both")
     model = float_model if serialised else _float_proto(float_model)
-    digest = model_hash(model)
+    # a partial measurement is no cache of the model's ranges: no model hash for it to match (and
+    # none computed: serialising and hashing EfficientNet-Lite0 costs 28 ms of quantize())
+    partial = tensors is not None or bool(borrowed) or bool(extremes)
+    digest = "" if partial else model_hash(model)
     used_percentile = percentile if method == "percentile" else None
     cache_path = None
     if cache is not None:
