@@ -500,8 +500,8 @@ def quantize(
         report.note(f"activation equalization: {equalized} tensors")
     serialised = proto  # equalize() keeps a proto onnx_ir serialised as onnx_ir would serialise it
     proto, per_channel = _opset_for_per_channel(proto, per_channel, report)  # "auto" needs opset 13 too
-    # calibration and quantize_static each load and serialise their model again, to no effect on a
-    # proto onnx_ir serialised (one from the opset converter has not been)
+    # calibration and quantize_static read the model as onnx_ir serialises it: what equalize() and
+    # prepare() return already; the opset converter's proto is serialised so once, before calibration
     unconverted = proto is serialised
     auto = per_channel == "auto"
     options = quantize_static_options(target, False if auto else bool(per_channel))
@@ -534,8 +534,9 @@ def quantize(
     output_values = output_value_tensors(proto)
     clipping = calibration_method != "minmax"
     extremes = {name for name, bounds in output_values.items() if bounds is None and clipping}
+    measured = proto if unconverted else _io.to_output(_io.load(proto, require_qdq=False))
     try:
-        ranges = calib.collect_ranges(proto, feeds, calibration_method, progress=False, serialised=unconverted,
+        ranges = calib.collect_ranges(measured, feeds, calibration_method, progress=False, serialised=True,
                                       observe=layer_inputs.tasks if layer_inputs is not None else None,
                                       tensors=_calibrated(proto, chosen_plan, options, layer_inputs),
                                       borrowed=_borrowed(proto, options, share_concat_ranges and chosen_plan == "full",
@@ -571,7 +572,7 @@ def quantize(
     factors = fidelity.Background(layer_inputs.inverse_factors) if layer_inputs is not None else None
     try:
         with quiet_logger():
-            qdq = calib.quantize_with_ranges(proto, ranges, serialised=unconverted, **options)
+            qdq = calib.quantize_with_ranges(measured, ranges, serialised=True, **options)
     except KenosisError:
         raise
     except Exception as error:  # noqa: BLE001 - ORT's quantizer raises many unrelated types
