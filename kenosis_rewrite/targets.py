@@ -65,6 +65,7 @@ from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.shape_of_dequantized import shape_of_codes_rules
 from kenosis_rewrite.rules.sigmoid_gate import QuantizeSigmoidGate
 from kenosis_rewrite.rules.softmax_float_input import softmax_float_input_rules
+from kenosis_rewrite.rules.successive_activations import successive_activation_rules
 
 __all__ = ["TargetFacts", "Target", "TARGETS", "get_target"]
 
@@ -101,6 +102,8 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
         *_conv_folds(report),
         FoldReluIsland.rule(report), FoldClipIsland.rule(report),
         ReluZeroPointToQmin.rule(report), ClipZeroPointToQmin.rule(report),
+        # the islands folded leave Relu -> Relu where they were in a row: ORT fuses only one
+        *successive_activation_rules(report).rules,
         PReluToLeakyRelu.rule(report), PReluToReluMin.rule(report),
         QuantizeSigmoidGate.rule(report),
         # a quantized embedding table is otherwise dequantized whole on every run

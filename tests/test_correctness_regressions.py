@@ -410,9 +410,10 @@ def test_implied_clamp_reads_deleted_activations_only():
 # one per defect: non-idempotent Q-backward moves, ORT refusing npu outputs (stale output_dtype,
 # QDQ propagation after DQ -> Reshape), symmetric conversion dropping a clamp, com.microsoft Q/DQ,
 # a restored clamp blocking a fusion until a second run; a weight computed at run time from
-# constants and its own Shape taken for shape arithmetic, its MatMul left float (30000441).
+# constants and its own Shape taken for shape arithmetic, its MatMul left float (30000441); Relu
+# islands in a row folded into Relu -> Relu, which ORT does not fuse with the Conv (9535320).
 FUZZ_SEEDS = [1, 5058, 5094, 20020, 20036, 20037, 20043, 20096, 20288, 20354, 150, 253, 269, 291, 297,
-              9440032, 9470334, 9480282, 30000441]
+              9440032, 9470334, 9480282, 30000441, 9535320]
 
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
