@@ -14,6 +14,10 @@ and with it a tensor's shape (measured: a face detector's priors 12600 vs 12672,
 at run time). Without the round trip, the values are the float model's, exactly; and no later rule
 can retype the pair or move its parameters, since there is none.
 
+Refused too where a DQ feeds a Conv/MatMul/Gemm (a weight computed as ``W + ConstantOfShape(Shape(W))``,
+a table built from Range): without the Q/DQ ONNX Runtime runs that product in float, and such an
+operand is no count or index whose rounding could change a shape.
+
 Exactness: not exact with respect to the input model: the affected tensors take their float
 values, i.e. the FP32 model's exactly (the rounding removed was an error, never a clamp a Relu relies
 on: shape arithmetic has no activation to fold). Refused where the Q's output is read by anything
@@ -101,9 +105,19 @@ class FloatShapeArithmeticPass(ReportingPass):
             if any(dq.outputs[0].is_graph_output() for dq in consumers):
                 self.refused(where, "the dequantized shape arithmetic is a graph output (its name is the interface)")
                 continue
+            if any(_feeds_weighted_op(dq) for dq in consumers):
+                # its quantized operand is what lets ORT run the product in integers (fuzz 30000684)
+                self.refused(where, "the shape arithmetic feeds a Conv/MatMul/Gemm, which runs in integers "
+                                    "only on its quantized form")
+                continue
             for dq in consumers:
                 dq.outputs[0].replace_all_uses_with(node.inputs[0])
             modified = True
             self.changed(where, f"{node.inputs[0].name} (computed from shapes) keeps its float value", exact=False)
         remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _feeds_weighted_op(dequantize: ir.Node) -> bool:
+    return any(user.op_type in _qdq.WEIGHTED_OPS and user.domain in _qdq.DEFAULT_DOMAINS
+               for user, _ in dequantize.outputs[0].uses())

@@ -133,3 +133,31 @@ def test_a_weight_computed_from_its_own_shape_is_a_constant_not_shape_arithmetic
     assert all(v.producer() is not None and v.producer().op_type == "DequantizeLinear" for v in matmul.inputs)
     for feed in feeds:
         np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(qdq, feed)[0])
+
+
+def test_shape_arithmetic_that_feeds_a_matmul_keeps_its_quantizer_and_the_matmul_stays_integer():
+    """``W + ConstantOfShape(Shape(W))`` starts at an index generator, so it is shape arithmetic; but
+    it is the MatMul's operand, and without its Q/DQ ORT ran the MatMul in float (fuzz 30000684)."""
+    rng = np.random.default_rng(0)
+    fill = onnx.helper.make_tensor("fill", onnx.TensorProto.FLOAT, [1], [0.25])
+    nodes = [
+        onnx.helper.make_node("Shape", ["w"], ["w_shape"]),
+        onnx.helper.make_node("ConstantOfShape", ["w_shape"], ["filled"], value=fill),
+        onnx.helper.make_node("Add", ["w", "filled"], ["w_total"]),
+        onnx.helper.make_node("MatMul", ["x", "w_total"], ["y"]),
+    ]
+    float_model = onnx.helper.make_model(onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
+        [onnx.numpy_helper.from_array(rng.normal(0, 0.3, (16, 8)).astype(np.float32), "w")]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    feeds = [{"x": rng.normal(0, 1, (2, 16)).astype(np.float32)} for _ in range(4)]
+    qdq = ort_quantize.quantize_with_ort(float_model, feeds, "default")
+    assert _shape_path_quantizers(qdq) == ["filled", "w_total"]
+    fixed, report = _testing.apply_pass(qdq, FloatShapeArithmeticPass)
+    assert _shape_path_quantizers(fixed) == ["w_total"]  # the fill, read by the Add alone, is float now
+    assert [r.reason for r in report.refusals if r.rule == RULE_NAME] == [
+        "the shape arithmetic feeds a Conv/MatMul/Gemm, which runs in integers only on its quantized form"]
+    assert "MatMul" not in _testing.ort_optimized_op_types(fix(qdq, calibration=feeds))
+    for feed in feeds:
+        np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(qdq, feed)[0])
