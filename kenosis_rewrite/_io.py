@@ -283,6 +283,13 @@ def check_quantized(model: ir.Model) -> list[str]:
         )
     op_types = {node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)}
     qoperator = sorted(op_types & QOPERATOR_OPS)
+    if qoperator == ["ConvInteger"] and "DynamicQuantizeLinear" in op_types:
+        raise QOperatorFormatError(
+            "The model is dynamically quantized (ConvInteger after DynamicQuantizeLinear: its Convs quantize "
+            "their inputs at run time, as quantize_dynamic and Quark's UINT8_DYNAMIC_QUANT write them); "
+            "kenosis_rewrite rewrites QDQ models. ONNX Runtime's CPU ConvInteger is rarely faster than the "
+            "float Conv: quantize the FP32 model statically instead (kenosis_rewrite.quantize(fp32, calibration=...))."
+        )
     if qoperator:
         raise QOperatorFormatError(
             f"The model is in QOperator format (it has {', '.join(qoperator)}). kenosis_rewrite works on "

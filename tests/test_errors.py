@@ -42,6 +42,15 @@ def test_qoperator_format_is_refused():
         kenosis_rewrite.fix(qop)
 
 
+def test_a_dynamic_conv_model_is_refused_as_dynamic_with_what_to_do(tmp_path):
+    """quantize_dynamic (and Quark's UINT8_DYNAMIC_QUANT) write ConvInteger: not the QOperator format
+    the message used to name, but a model whose Convs quantize their inputs at run time."""
+    onnx.save(toy_models.build("conv_relu"), tmp_path / "float.onnx")
+    quantize_dynamic(tmp_path / "float.onnx", tmp_path / "dynamic.onnx", weight_type=QuantType.QUInt8)
+    with pytest.raises(kenosis_rewrite.QOperatorFormatError, match=r"dynamically quantized \(ConvInteger.*kenosis_rewrite.quantize"):
+        kenosis_rewrite.fix(onnx.load(tmp_path / "dynamic.onnx"))
+
+
 @pytest.mark.parametrize("form", ["qdq", "qoperator", "dynamic-conv", "dynamic-matmul"])
 def test_quantize_and_prepare_refuse_a_quantized_model(form, tmp_path):
     """quantize() of a dynamic model failed inside quantize_static (KeyError: 'relu_13_scale', as on
