@@ -20,12 +20,18 @@ output scale), so NNCF's per-channel quantizers at depthwise inputs leave both t
 and the depthwise Conv in float. OpenVINO folds them the same way; re-quantizing per tensor instead
 (:mod:`per_tensor_activations`) costs precision when channel ranges differ (NNCF's PP-LCNet: 40-100x).
 
+Zero points that differ between channels (NNCF's MIXED preset writes int8 with 0 on some channels and
+-128 on others) are first all moved to ``qmin`` where the tensor is provably never negative (a Relu
+or Clip(0, M) writes it): a channel then uses no integer below its zero point, so ``q - z_c + qmin``
+dequantizes to the same values on the channel's old range; above it, where the old Q saturated at
+``(qmax - z_c) s_c``, the new one saturates at ``(qmax - qmin) s_c``, nearer the float value.
+
 Exactness: exact in real arithmetic (every Q produces the integers it produced before); in float32,
 products of rescaled weights and scales round differently, so a value lying on a rounding tie may
 land one step away. Reported as approximate; ``fix()``'s run-time guard measures it.
 
 Refused with a reason: parameters that are not constants or differ between the DQs, zero points
-that differ between channels, a quantized tensor read by anything but DequantizeLinear ->
+that differ between channels of a tensor that can be negative, a quantized tensor read by anything but DequantizeLinear ->
 depthwise Conv input, a producer that is not a Conv with constant dequantized weights (or is
 read elsewhere, or a graph output), an activation that is not homogeneous and not absorbed by the
 Q. (A per-axis Q exists only from opset 13 on, so the per-axis weight DQs it needs are valid.)
@@ -54,6 +60,7 @@ class _Fold:
     depthwise: list[ir.Node]  # the depthwise Convs reading them
     producer: ir.Node  # the Conv writing the quantized tensor
     activation: ir.Node | None  # between producer and Q
+    zero_points_aligned: bool = False  # the channels' zero points moved to qmin (a non-negative tensor)
 
 
 def _weight_dequantize(conv: ir.Node) -> ir.Node | str:
@@ -104,14 +111,19 @@ class FoldPerChannelActivationScalesPass(ReportingPass):
     def _plan(self, quantize: ir.Node, params: _qdq.QuantParams) -> _Fold | str:
         output = quantize.outputs[0]
         channels = params.scale.size
+        written = params  # what the Q and its DQs hold now
         if np.unique(params.zero_point).size != 1:
-            return "zero points differ between channels: no per-tensor grid holds the same integers"
+            if value_range.can_be_negative(quantize.inputs[0]):
+                return "zero points differ between channels: no per-tensor grid holds the same integers"
+            # a non-negative tensor uses no integer below its channel's zero point: every channel
+            # moves to qmin with the values it represented (NNCF's MIXED preset: int8 zp 0 and -128)
+            params = dataclasses.replace(params, zero_point=np.full_like(params.zero_point, params.qmin))
         if output.is_graph_output():
             return f"quantized tensor {output.name!r} is a graph output"
         consumers = _qdq.dequantize_consumers(output)
         if not consumers:
             return f"quantized tensor {output.name!r} is read by a non-DequantizeLinear node"
-        if any(not (p := _qdq.quant_params(dq)) or not p.same_as(params) for dq in consumers):
+        if any(not (p := _qdq.quant_params(dq)) or not p.same_as(written) for dq in consumers):
             return "a DequantizeLinear of this tensor has other parameters"
         depthwise = []
         for dq in consumers:
@@ -140,7 +152,7 @@ class FoldPerChannelActivationScalesPass(ReportingPass):
         bias = producer.inputs[2] if len(producer.inputs) > 2 else None
         if bias is not None and not _rescalable_bias(bias):
             return f"bias of Conv {producer.name!r} is neither a constant nor a constant int32 DequantizeLinear"
-        return _Fold(params, consumers, depthwise, producer, activation)
+        return _Fold(params, consumers, depthwise, producer, activation, written is not params)
 
     @staticmethod
     def _producer(value: ir.Value) -> tuple[ir.Node | str, ir.Node | None]:
@@ -179,6 +191,8 @@ class FoldPerChannelActivationScalesPass(ReportingPass):
         )
         removed = f", {fold.activation.op_type} absorbed by the quantizer removed" if (
             fold.activation is not None and fold.activation.op_type == "Clip") else ""
+        if fold.zero_points_aligned:
+            removed += "; the channels' zero points moved to qmin (the tensor is never negative)"
         self.changed(
             quantize.name or "QuantizeLinear",
             f"{params.describe()} -> {params.dtype.name.lower()} s={common:.6g} zp={int(params.zero_point.reshape(-1)[0])}; "

@@ -19,7 +19,7 @@ C = 6
 
 def _block(
     seed: int, activation: str = "Clip", multiplier: int = 1, bias: str = "float", depthwise: bool = True,
-    per_tensor_weights: bool = False, clip_max: float = 6.0, zero_points=None,
+    per_tensor_weights: bool = False, clip_max: float = 6.0, zero_points=None, zp_type=None,
 ) -> onnx.ModelProto:
     """DQ(x) -> Conv -> activation -> Q(per channel) -> DQ -> depthwise Conv -> Q -> DQ, as NNCF writes it."""
     rng = np.random.default_rng(seed)
@@ -51,7 +51,8 @@ def _block(
     nodes.append(helper.make_node("Conv", conv_inputs, ["c1"], pads=[1, 1, 1, 1], name="producer"))
     # channel ranges far apart (what defeats one per-tensor grid)
     steps = (rng.uniform(0.2, 6.0, C) * np.geomspace(0.01, 1, C) / 255).astype(np.float32)
-    zp_type = np.int8 if activation == "LeakyRelu" or activation is None else np.uint8
+    if zp_type is None:
+        zp_type = np.int8 if activation == "LeakyRelu" or activation is None else np.uint8
     zps = np.zeros(C, zp_type) if zero_points is None else np.asarray(zero_points, zp_type)
     pre_q = "c1"
     if activation == "Clip":
@@ -142,10 +143,39 @@ def test_consumer_that_is_not_depthwise_is_refused():
     assert not report.changes and "not a depthwise Conv" in report.refusals[0].reason
 
 
-def test_zero_points_that_differ_between_channels_are_refused():
-    proto = _block(2, activation="Relu", zero_points=[0, 0, 1, 0, 0, 0])
+def test_zero_points_that_differ_between_channels_of_a_signed_tensor_are_refused():
+    proto = _block(2, activation=None, zero_points=[0, 0, 1, 0, 0, 0])
     _, report = _testing.apply_pass(proto, FoldPerChannelActivationScalesPass)
     assert not report.changes and "zero points differ" in report.refusals[0].reason
+
+
+@pytest.mark.parametrize("activation", ["Relu", "Clip"])
+def test_zero_points_of_a_non_negative_tensor_move_to_qmin_with_the_values_they_held(activation):
+    """NNCF's MIXED preset: int8 per-channel quantizers after Relu/Clip(0, 6), zero point 0 on some
+    channels and -128 on others. Every channel moves to -128; where the old Q did not saturate, each
+    dequantized value is the old one times the channel's factor S / s_c, which the Convs undo."""
+    zero_points = [0, -128, 0, -128, -128, 0]
+    proto = _block(3, activation=activation, zero_points=zero_points, zp_type=np.int8, clip_max=1e4)
+    fixed, report = _testing.apply_pass(proto, FoldPerChannelActivationScalesPass)
+    assert report.change_counts() == {RULE_NAME: 1}, report.refusals
+    assert "zero points moved to qmin" in report.changes[0].detail
+    q = next(n for n in fixed.graph.node if n.name == "per_channel_q")
+    assert int(_testing.initializer(fixed, q.input[2])) == -128
+    steps = _testing.initializer(proto, "as").astype(np.float64)
+    common = steps.max()
+    saturated = 0
+    for feed in _feeds():
+        before_q = _integers(proto, feed)
+        before = _testing.outputs(_expose(proto, "ad"), feed, optimized=False)[1].astype(np.float64)
+        after = _testing.outputs(_expose(fixed, "ad"), feed, optimized=False)[1].astype(np.float64)
+        rescaled = after * (steps / common)[None, :, None, None]
+        kept = before_q < 127  # the old grid did not saturate there
+        saturated += np.count_nonzero(~kept)
+        step = np.broadcast_to(steps[None, :, None, None], before.shape)
+        assert np.all(np.abs(rescaled - before)[kept] <= step[kept] * 1.001)  # a rounding tie at most
+        assert np.count_nonzero(np.abs(rescaled - before)[kept] > step[kept] * 1e-3) <= max(1, before.size // 1000)
+        assert np.all(rescaled[~kept] >= before[~kept] - 1e-6)  # above the old clamp: nearer the float value
+    assert saturated  # the zero-point-0 channels saturated at 127 in the input somewhere
 
 
 def test_nncf_depthwise_inputs_fold_exactly_and_run_as_integer_kernels():
