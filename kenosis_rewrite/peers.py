@@ -15,7 +15,8 @@ Where a peer's interpreter is found, first match wins:
 3. this interpreter, when it can import the peer.
 
 Each peer runs with its default configuration for ONNX Runtime CPU unless a preset is named
-(Quark: ``XINT8``, ``INT8_CNN_DEFAULT``, ...); every peer gets all the feeds as its calibration set.
+(Quark: ``XINT8``, ``INT8_CNN_DEFAULT``, ...; NNCF: ``MIXED``, ``PERFORMANCE``, ``TRANSFORMER`` or
+``MIXED,TRANSFORMER``: its preset and model type); every peer gets all the feeds as its calibration set.
 """
 
 from __future__ import annotations
@@ -64,9 +65,17 @@ feeds = [{name: _data[f"{i}::{name}"] for name in _names} for i in range(_count)
 
 _NNCF = _LOAD + '''
 import nncf
+options = {}
+for part in filter(None, preset.split(",")):  # "MIXED", "PERFORMANCE", "TRANSFORMER"
+    if part in ("MIXED", "PERFORMANCE"):
+        options["preset"] = getattr(nncf.QuantizationPreset, part)
+    elif part == "TRANSFORMER":
+        options["model_type"] = nncf.ModelType.TRANSFORMER
+    else:
+        raise SystemExit(f"unknown NNCF preset {part!r}: MIXED, PERFORMANCE or TRANSFORMER")
 model = onnx.load(model_path)
 start = time.perf_counter()
-quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds))
+quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds), **options)
 wall = time.perf_counter() - start
 onnx.save(quantized, out_path)
 print(json.dumps({"wall_s": wall, "version": nncf.__version__}))

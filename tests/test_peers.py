@@ -21,13 +21,21 @@ class Dataset:
     def __init__(self, items):
         self.items = list(items)
 
-def quantize(model, dataset, subset_size):
+class QuantizationPreset:
+    MIXED, PERFORMANCE = "mixed", "performance"
+
+class ModelType:
+    TRANSFORMER = "transformer"
+
+def quantize(model, dataset, subset_size, preset=None, model_type=None):
     if subset_size != len(dataset.items):
         raise ValueError("subset_size must cover every feed")
     if model.graph.input[0].name == "refuse_me":
         raise RuntimeError("the stand-in refuses this model")
     from kenosis_rewrite.ort_quantize import quantize_with_ort
-    return quantize_with_ort(model, dataset.items, "default")
+    quantized = quantize_with_ort(model, dataset.items, "default")
+    quantized.doc_string = f"preset={preset} model_type={model_type}"  # what the driver asked for
+    return quantized
 '''
 
 
@@ -58,6 +66,16 @@ def test_a_peer_runs_in_its_interpreter_on_every_feed(stand_in_nncf):
     kinds = {n.op_type for n in result.model.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= kinds
     assert fidelity.compare_to_float(model, {"peer": result.model}, feeds)["peer"]["cosine"] > 0.99
+
+
+def test_nncf_presets_reach_its_quantize_call_and_an_unknown_one_is_refused(stand_in_nncf):
+    model = toy_models.build("conv_relu")
+    feeds = toy_models.random_feeds(model, 2)
+    assert peers.quantize_with_peer("nncf", model, feeds).model.doc_string == "preset=None model_type=None"
+    mixed = peers.quantize_with_peer("nncf", model, feeds, preset="MIXED,TRANSFORMER")
+    assert mixed.model.doc_string == "preset=mixed model_type=transformer" and mixed.preset == "MIXED,TRANSFORMER"
+    with pytest.raises(peers.PeerFailedError, match="unknown NNCF preset 'FAST'"):
+        peers.quantize_with_peer("nncf", model, feeds, preset="FAST")
 
 
 def test_a_missing_peer_says_how_to_install_it(no_peers_installed):
