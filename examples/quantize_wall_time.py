@@ -4,8 +4,9 @@
 
 One untimed call first (imports, the model's first load), then ``--runs`` timed calls: wall time,
 and the process's CPU time over all its threads (on a shared host the wall time moves with the
-neighbours' load; the CPU time much less). To compare two versions of the code, run it from each
-checkout in turn (``PYTHONPATH=/path/to/checkout``).
+neighbours' load; the CPU time much less). To compare two versions of the code, run it with
+``--code CHECKOUT`` for each checkout in turn (that checkout's ``kenosis_rewrite`` is imported,
+ahead of the installed one; PYTHONPATH alone loses to an editable install).
 
 ``--against PEER`` (nncf, inc, quark; installed with ``kenosis-rewrite peers install PEER``)
 quantizes the same model on the same feeds with the peer after each run, interleaved (after one
@@ -16,11 +17,10 @@ interpreter) and the ratio of each round.
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 import time
-
-import kenosis_rewrite
-from kenosis_rewrite import peers, zoo
 
 
 def _seconds(values: list[float]) -> str:
@@ -32,7 +32,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("models", help="zoo model names, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--against", metavar="PEER", help="also time this peer, interleaved with quantize()")
+    parser.add_argument("--code", metavar="CHECKOUT", help="import kenosis_rewrite from this checkout")
     args = parser.parse_args(argv)
+    if args.code:
+        sys.path.insert(0, os.path.abspath(args.code))
+    kenosis_rewrite = importlib.import_module("kenosis_rewrite")
+    peers, zoo = importlib.import_module("kenosis_rewrite.peers"), importlib.import_module("kenosis_rewrite.zoo")
+    if args.code and not kenosis_rewrite.__file__.startswith(os.path.abspath(args.code)):
+        parser.error(f"kenosis_rewrite came from {kenosis_rewrite.__file__}, not {args.code}")
     scenes = zoo.load_photo_set("scenes")[:16]
     for name in args.models.split(","):
         model = zoo.load_model(name)
