@@ -4,7 +4,7 @@ quantize() builds and drops many onnx_ir graphs: on a small model that is ~80,00
 allocations, enough to trigger about one full (generation 2) collection a call. A full collection
 walks every tracked object of the process, the caller's imports and data included, so its cost
 grows with what the caller has loaded, not with what the call does: 0.06-0.15 s on PP-OCR cls
-(a tenth of the call) with only this package imported, more beside a deep-learning framework.
+(a tenth of the call) with only this package and its dependencies imported.
 
 :func:`objects_before_frozen` moves the objects that exist when the call starts to the permanent
 generation (:func:`gc.freeze`) and back at its end (:func:`gc.unfreeze`). Garbage the call makes is

@@ -17,9 +17,9 @@ Exactness: exact, bit for bit. A clamp only compares and selects: ``clamp_B(clam
 clamp_{A n B}(x)`` for intervals that overlap, and the new bounds are among the old ones (or
 Relu's 0), so they are representable in ``x``'s type.
 
-Refused with a reason: bounds that are not constants, intervals that do not overlap (the
-composition is then a constant, not a clamp), and an intermediate tensor that anything else reads
-or that is a graph output.
+Refused with a reason: bounds that are not constants, and intervals that do not overlap (the
+composition is then a constant, not a clamp). Not matched: an intermediate tensor that anything
+else reads or that is a graph output (it must keep its value).
 """
 
 from __future__ import annotations
