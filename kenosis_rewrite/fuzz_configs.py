@@ -157,15 +157,14 @@ def _unified_concat_grids(model: onnx.ModelProto) -> onnx.ModelProto:
                       for dq in dequantizers]
         outputs = readers.get(concat.output[0], [])
         group = [q for q in quantizers if q is not None and q.op_type == "QuantizeLinear"] + outputs
-        if len(group) != len(quantizers) + len(outputs) or not outputs or any(
-                q.op_type != "QuantizeLinear" or params(q) is None for q in group):
+        if len(group) != len(quantizers) + len(outputs) or not outputs or any(q.op_type != "QuantizeLinear" for q in group):
             continue
-        types = {params(q)[1].dtype for q in group}
-        if len(types) != 1:
+        grids = [params(q) for q in group]
+        if any(grid is None for grid in grids) or len({zero.dtype for _, zero in grids}) != 1:
             continue
-        dtype = types.pop()
+        dtype = grids[0][1].dtype
         qmin, qmax = (0, 255) if dtype == np.uint8 else (-128, 127)
-        lows, highs = zip(*[(float(s) * (qmin - int(z)), float(s) * (qmax - int(z))) for s, z in (params(q) for q in group)])
+        lows, highs = zip(*[(float(s) * (qmin - int(z)), float(s) * (qmax - int(z))) for s, z in grids])
         lo, hi = min(min(lows), 0.0), max(max(highs), 0.0)
         scale = np.float32((hi - lo) / (qmax - qmin))
         zero = np.array(np.clip(np.rint(qmin - lo / scale), qmin, qmax), dtype)
