@@ -136,8 +136,8 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     bias_value = node.inputs[2]
     quantize = input_dq.inputs[0].producer() if _qdq.is_dequantize(input_dq) else None
     concat_source = _codes_concat_source(quantize, float_readers) if quantize is not None else None
-    if concat_source is None and (not _qdq.is_quantize(quantize) or _qdq.quant_params(quantize) is None) \
-            or _qdq.quant_params(input_dq) is None:
+    quantized_input = concat_source is not None or (_qdq.is_quantize(quantize) and _qdq.quant_params(quantize) is not None)
+    if not quantized_input or _qdq.quant_params(input_dq) is None:
         return "input is not Q -> DQ with constant parameters"
     if not _qdq.is_dequantize(weight_dq) or _qdq.const_array(weight_dq.inputs[0]) is None or _qdq.quant_params(weight_dq) is None:
         return "weights are not DequantizeLinear of a constant"
