@@ -132,3 +132,51 @@ def structural_diff(first: onnx.ModelProto, second: onnx.ModelProto) -> str | No
     if first.graph.output != second.graph.output or first.graph.input != second.graph.input:
         problems.append("graph input/output declarations differ")
     return "; ".join(problems) or None
+
+
+def _activation_scale_names(model: onnx.ModelProto) -> set[str]:
+    """The scale tensors of the QuantizeLinear nodes (the activation quantizers: a weight's scale
+    is read by its DequantizeLinear alone); their DQs read the same tensors."""
+    return {node.input[1] for node in model.graph.node
+            if node.op_type == "QuantizeLinear" and len(node.input) > 1 and node.input[1]}
+
+
+def scale_jittered(model: onnx.ModelProto, rng: np.random.Generator, spread: float) -> onnx.ModelProto:
+    """A copy of ``model`` with each activation scale (initializer or Constant) multiplied by its
+    own factor drawn uniformly from ``[1 - spread, 1 + spread]``: the same quantizers, each step
+    within ``spread`` of the original, so every tensor's rounding noise power within ``(1 +
+    spread)**2`` of it."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    names = _activation_scale_names(copy)
+
+    def jittered(tensor: onnx.TensorProto) -> onnx.TensorProto:
+        array = numpy_helper.to_array(tensor)
+        factor = rng.uniform(1.0 - spread, 1.0 + spread)
+        return numpy_helper.from_array((array.astype(np.float64) * factor).astype(array.dtype), tensor.name)
+
+    for tensor in copy.graph.initializer:
+        if tensor.name in names:
+            tensor.CopyFrom(jittered(tensor))
+    for node in copy.graph.node:
+        if node.op_type == "Constant" and node.output[0] in names:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    attribute.t.CopyFrom(jittered(attribute.t))
+    return copy
+
+
+def jittered_cosines(model: onnx.ModelProto, feeds, reference: list[list[np.ndarray]], seed: int,
+                     copies: int = 8, spread: float = 0.01) -> list[float]:
+    """:func:`min_cosine` against ``reference`` of ``copies`` :func:`scale_jittered` copies of
+    ``model`` (ORT_DISABLE_ALL): how far one graph's fidelity moves when nothing but each
+    quantizer's step moves by at most ``spread``. On a well-conditioned graph the cosines barely
+    move; where a normalisation amplifies rounding noise (a LayerNorm over a row of near-equal
+    values) the output is a different random draw for each copy, and so is the fidelity of any
+    rewrite of it."""
+    rng = np.random.default_rng(seed)
+    cosines = []
+    for _ in range(copies):
+        _, outputs = run_model(scale_jittered(model, rng, spread).SerializeToString(), feeds, "disable_all")
+        cosines.append(min_cosine(reference, outputs))
+    return cosines

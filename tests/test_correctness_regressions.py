@@ -412,9 +412,10 @@ def test_implied_clamp_reads_deleted_activations_only():
 # a restored clamp blocking a fusion until a second run; a weight computed at run time from
 # constants and its own Shape taken for shape arithmetic, its MatMul left float (30000441); Relu
 # islands in a row folded into Relu -> Relu, which ORT does not fuse with the Conv (9535320); shape
-# arithmetic read by a MatMul lost its Q/DQ and the MatMul ran in float (30000684).
+# arithmetic read by a MatMul lost its Q/DQ and the MatMul ran in float (30000684); a DQ read by a
+# Transpose and a Shape, whose Transpose chain ORT requantized itself and then refused (30000982, npu).
 FUZZ_SEEDS = [1, 5058, 5094, 20020, 20036, 20037, 20043, 20096, 20288, 20354, 150, 253, 269, 291, 297,
-              9440032, 9470334, 9480282, 30000441, 9535320, 30000684]
+              9440032, 9470334, 9480282, 30000441, 9535320, 30000684, 30000982]
 
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)

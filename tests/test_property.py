@@ -113,3 +113,76 @@ def test_summarize_counts_every_category():
     assert set(summary["failures"]) == set(fuzz.CATEGORIES)
     assert summary["skipped"] == 1
     assert summary["worst"]["fidelity_drop"][0]["replay"] == "python -m kenosis_rewrite.fuzz --replay 7 --target npu"
+
+
+def _reference(seed: int):
+    """Case ``seed``'s input QDQ model and the outputs every target is compared with (as check_fix_case builds them)."""
+    from kenosis_rewrite import fuzz_properties as properties  # noqa: PLC0415
+
+    fp32, feeds, config = fuzz._model_and_config(seed)
+    qdq, reason = properties.quantize_or_skip(fp32, config, feeds[:fuzz.N_CALIBRATION])
+    assert qdq is not None, reason
+    evaluation = feeds[fuzz.N_CALIBRATION:]
+    names, qdq_outputs = properties.run_model(qdq.SerializeToString(), evaluation, "disable_all")
+    _, fp32_outputs = properties.run_model(fp32.SerializeToString(), evaluation, "disable_all")
+    return properties._Reference(qdq, qdq.SerializeToString(), names, qdq_outputs, fp32_outputs,
+                                 properties.min_cosine(fp32_outputs, qdq_outputs), evaluation)
+
+
+def test_scale_jitter_moves_only_the_activation_steps():
+    from kenosis_rewrite.fuzz_running import scale_jittered  # noqa: PLC0415
+
+    ref = _reference(1)
+    activation_scales = {node.input[1] for node in ref.qdq.graph.node if node.op_type == "QuantizeLinear"}
+    assert activation_scales
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in ref.qdq.graph.initializer}
+    jittered = scale_jittered(ref.qdq, np.random.default_rng(0), 0.01)
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in jittered.graph.initializer}
+    assert before.keys() == after.keys()
+    for name, array in before.items():
+        if name in activation_scales:
+            ratio = after[name].astype(np.float64) / array
+            assert np.all(np.abs(ratio - 1) <= 0.01 + 1e-6) and not np.array_equal(after[name], array), name
+        else:
+            assert np.array_equal(after[name], array), name  # weights, their scales, zero points
+    assert [n.SerializeToString() for n in jittered.graph.node] == [n.SerializeToString() for n in ref.qdq.graph.node]
+    unchanged = scale_jittered(ref.qdq, np.random.default_rng(0), 0.0)
+    assert all(np.array_equal(onnx.numpy_helper.to_array(t), before[t.name]) for t in unchanged.graph.initializer)
+
+
+def test_a_real_fidelity_drop_still_fails_on_a_well_conditioned_graph():
+    """The 1% jitter moves a well-conditioned graph's fidelity by less than half the tolerance, so a rewrite that ruins the
+    outputs fails as before (its message gives the jitter's range)."""
+    from kenosis_rewrite import fuzz_properties as properties  # noqa: PLC0415
+    from kenosis_rewrite.fuzz_running import jittered_cosines  # noqa: PLC0415
+    from kenosis_rewrite.report import FixReport  # noqa: PLC0415
+
+    ref = _reference(1)
+    jittered = jittered_cosines(ref.qdq, ref.eval_feeds, ref.fp32_outputs, seed=1)
+    assert max(jittered) - min(jittered) < fuzz.FIDELITY_TOLERANCE / 2 and min(jittered) > 0.98, jittered
+    case = fuzz.CaseResult(seed=1)
+    result = fuzz.TargetResult("ort-cpu", changes={"some-approximate-rule": 1})
+    report = FixReport(target="ort-cpu")
+    report.changed("some-approximate-rule", "n", "changed", exact=False)
+    ruined = [[np.asarray(o) + np.random.default_rng(0).normal(0, 0.5 * np.std(o) + 1e-3, np.shape(o)).astype(o.dtype)
+               for o in outputs] for outputs in ref.qdq_outputs]
+    properties._check_numbers(case, ref, result, ruined, report)
+    assert [f.category for f in case.failures] == ["fidelity_drop"]
+    assert "jittered by 1%" in case.failures[0].message and not result.notes
+
+
+def test_a_drop_the_inputs_own_jitter_makes_is_not_a_failure():
+    """Seed 30000770: a transformer with two LayerNorms in a row, one feed's rows of near-equal
+    values amplifying rounding noise: ±1% on the activation steps alone moves the input's cosine by
+    more than the tolerance, and TensorRT's symmetric conversion (within its bound on every tensor)
+    lands inside that spread. Counted apart, not as a failure."""
+    from kenosis_rewrite.fuzz_running import jittered_cosines  # noqa: PLC0415
+
+    ref = _reference(30000770)
+    jittered = jittered_cosines(ref.qdq, ref.eval_feeds, ref.fp32_outputs, seed=30000770)
+    assert ref.cos_qdq - min(jittered) > fuzz.FIDELITY_TOLERANCE, (ref.cos_qdq, jittered)
+    case = fuzz.check_fix_case(30000770, targets=("tensorrt",), verify=False)
+    assert not case.failures, [f.describe() for f in case.failures]
+    notes = [note for result in case.targets for note in result.notes if note.startswith(fuzz.WITHIN_JITTER)]
+    assert len(notes) == 1 and "0.86995" in notes[0]
+    assert fuzz.summarize([case])["within_jitter"] == [f"seed 30000770 tensorrt {notes[0]}"]

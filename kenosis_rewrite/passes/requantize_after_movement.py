@@ -37,19 +37,29 @@ PROPAGATING_OPS = frozenset({"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsq
 _OUTPUT_DTYPE_OPSET = 21  # QuantizeLinear-21 has output_dtype
 
 
-def _chain_end(value: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
-    """The last output of the chain of propagating ops that reads ``value`` alone, and the chain."""
-    chain: list[ir.Node] = []
-    while not value.is_graph_output():
-        uses = list(value.uses())
-        if len(uses) != 1:
-            break
-        user, index = uses[0]
-        if user.op_type not in PROPAGATING_OPS or user.domain not in _qdq.DEFAULT_DOMAINS or index != 0:
-            break
-        chain.append(user)
-        value = user.outputs[0]
-    return value, chain
+def _propagates(node: ir.Node, index: int) -> bool:
+    return node.op_type in PROPAGATING_OPS and node.domain in _qdq.DEFAULT_DOMAINS and index == 0
+
+
+def _chains(value: ir.Value) -> list[tuple[ir.Value, list[ir.Node]]]:
+    """Each chain of propagating ops that starts at a reader of ``value``: its last output and its
+    ops. A chain goes on while an output has one reader, and that reader propagates; ``value``
+    itself may have other readers (a Shape beside a Transpose): ORT gives each reader of a DQ its
+    own copy of the DQ (EnsureUniqueDQForNodeUnit) before it propagates them."""
+    chains = []
+    for first, index in list(value.uses()):
+        if not _propagates(first, index):
+            continue
+        chain = [first]
+        end = first.outputs[0]
+        while not end.is_graph_output():
+            uses = list(end.uses())
+            if len(uses) != 1 or not _propagates(*uses[0]):
+                break
+            chain.append(uses[0][0])
+            end = chain[-1].outputs[0]
+        chains.append((end, chain))
+    return chains
 
 
 class RequantizeAfterDataMovementPass(ReportingPass):
@@ -67,24 +77,29 @@ class RequantizeAfterDataMovementPass(ReportingPass):
             if (params is None or params.dtype != ir.DataType.INT8 or not params.is_per_tensor
                     or _qdq.const_array(dequantize.inputs[0]) is not None):
                 continue
-            end, chain = _chain_end(dequantize.outputs[0])
-            floats = [(user, index) for user, index in end.uses() if not _qdq.is_quantize(user)]
-            if not chain or not floats or end.is_graph_output():
-                continue
-            quantize = ir.Node("", _qdq.QUANTIZE, [end, dequantize.inputs[1], dequantize.inputs[2]],
-                               name=names.fresh(f"{end.name}_QuantizeLinear"))
-            requantized = ir.Node("", _qdq.DEQUANTIZE, [quantize.outputs[0], dequantize.inputs[1], dequantize.inputs[2]],
-                                  name=names.fresh(f"{end.name}_DequantizeLinear"))
-            quantize.outputs[0].name = names.fresh(f"{end.name}_requantized")
-            requantized.outputs[0].name = names.fresh(f"{end.name}_dequantized")
-            quantize.outputs[0].dtype = ir.DataType.INT8
-            if end.type is not None:
-                requantized.outputs[0].type, requantized.outputs[0].shape = end.type, end.shape
-            graph.insert_after(chain[-1], [quantize, requantized])
-            for user, index in floats:
-                user.replace_input_with(index, requantized.outputs[0])
-            self.changed(chain[-1].name or chain[-1].op_type,
-                         f"int8 Q/DQ after {' -> '.join(node.op_type for node in chain)} (the grid of "
-                         f"{dequantize.name or 'its DequantizeLinear'}), before its float readers", exact=True)
-            modified = True
+            for end, chain in _chains(dequantize.outputs[0]):
+                modified |= self._requantize(names, dequantize, end, chain)
         return ir.passes.PassResult(model, modified=modified)
+
+    def _requantize(self, names: _qdq.NameAllocator, dequantize: ir.Node, end: ir.Value, chain: list[ir.Node]) -> bool:
+        """The pair after ``chain`` (ending in ``end``) for its float readers; False where there are none."""
+        floats = [(user, index) for user, index in end.uses() if not _qdq.is_quantize(user)]
+        if not floats or end.is_graph_output():
+            return False
+        graph = dequantize.graph
+        quantize = ir.Node("", _qdq.QUANTIZE, [end, dequantize.inputs[1], dequantize.inputs[2]],
+                           name=names.fresh(f"{end.name}_QuantizeLinear"))
+        requantized = ir.Node("", _qdq.DEQUANTIZE, [quantize.outputs[0], dequantize.inputs[1], dequantize.inputs[2]],
+                              name=names.fresh(f"{end.name}_DequantizeLinear"))
+        quantize.outputs[0].name = names.fresh(f"{end.name}_requantized")
+        requantized.outputs[0].name = names.fresh(f"{end.name}_dequantized")
+        quantize.outputs[0].dtype = ir.DataType.INT8
+        if end.type is not None:
+            requantized.outputs[0].type, requantized.outputs[0].shape = end.type, end.shape
+        graph.insert_after(chain[-1], [quantize, requantized])
+        for user, index in floats:
+            user.replace_input_with(index, requantized.outputs[0])
+        self.changed(chain[-1].name or chain[-1].op_type,
+                     f"int8 Q/DQ after {' -> '.join(node.op_type for node in chain)} (the grid of "
+                     f"{dequantize.name or 'its DequantizeLinear'}), before its float readers", exact=True)
+        return True

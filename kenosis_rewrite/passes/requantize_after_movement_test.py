@@ -82,3 +82,39 @@ def test_fix_for_the_npu_target_keeps_the_int8_chain_runnable():
     assert report.change_counts().get(RULE_NAME) == 1, report.summary()
     for feed in _feeds():
         _testing.outputs(fixed, feed)
+
+
+SHARED_DQ_MODEL = """
+<ir_version: 10, opset_import: ["" : 21]>
+g (float[1, 4, 3, 3] x) => (float[1, 9, 4] y, int64[4] n)
+<int8 z = {3}, float s = {0.05}, int64[3] shape = {1, 4, 9}>
+{
+  q = QuantizeLinear(x, s, z)
+  d = DequantizeLinear(q, s, z)
+  r = Reshape(d, shape)
+  t = Transpose <perm: ints = [0, 2, 1]> (r)
+  y = Sigmoid(t)
+  n = Shape(d)
+}
+"""
+
+
+def test_a_chain_from_a_dequantize_with_other_readers_gets_the_pair_too():
+    """Fuzz seed 30000982 (npu, guard on: undone): the DQ feeding Transpose -> MatMul was read by a
+    Shape as well. ORT gives each reader its own DQ and propagates the Transpose's, so the pass must
+    not stop at a DQ with several readers."""
+    proto = onnx.parser.parse_model(SHARED_DQ_MODEL)
+    try:
+        _testing.session(proto)
+    except (ort.capi.onnxruntime_pybind11_state.Fail, RuntimeError) as error:
+        assert "output_dtype" in str(error)  # the ORT defect, reached through a shared DQ
+    fixed, report = _testing.apply_pass(proto, RequantizeAfterDataMovementPass)
+    assert report.change_counts() == {RULE_NAME: 1}
+    ops = {node.output[0]: (node.op_type, list(node.input)) for node in fixed.graph.node}
+    assert ops["n"] == ("Shape", ["d"])  # the other reader keeps the DQ
+    requantized = ops["y"][1][0]
+    assert ops[requantized][0] == "DequantizeLinear" and ops[ops[requantized][1][0]] == ("QuantizeLinear", ["t", "s", "z"])
+    for feed in _feeds():
+        for before, after in zip(_testing.outputs(proto, feed, optimized=False), _testing.outputs(fixed, feed, optimized=False)):
+            np.testing.assert_array_equal(before, after)
+        _testing.outputs(fixed, feed)  # ORT_ENABLE_ALL builds and runs
