@@ -25,6 +25,7 @@ from kenosis_rewrite.errors import (
     RuntimeMeasurementError,
     UnsupportedOpsetError,
     UnsupportedTargetError,
+    UnsupportedValueTypeError,
     ZooError,
 )
 from kenosis_rewrite.explain import FusionReport, explain
@@ -40,6 +41,6 @@ __version__ = "0.1.0"
 __all__ = [
     "save", "TARGETS", "FixPass", "FixReport", "FusionReport", "prepare", "PrepareFailedError", "quantize", "quantize_weights", "fix", "fix_with_report", "rules", "explain",
     "KenosisError", "AlreadyQuantizedError", "ControlFlowError", "InvalidModelError", "ModelTooLargeError", "NoQDQError", "NotAnOnnxModelError",
-    "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError",
+    "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError", "UnsupportedValueTypeError",
     "UnsupportedTargetError", "ZooError",
 ]

@@ -21,6 +21,8 @@ from kenosis_rewrite.errors import (
     NotAnOnnxModelError,
     QOperatorFormatError,
     UnsupportedOpsetError,
+    UnsupportedValueTypeError,
+    one_line,
 )
 
 ModelLike = Union[onnx.ModelProto, ir.Model, str, os.PathLike]
@@ -182,6 +184,62 @@ def _check_large_path(path: str) -> bool:
             return True
         raise InvalidModelError(f"The input model fails the ONNX checker: {error}") from None
     return False
+
+
+def _type_text(type_proto: onnx.TypeProto) -> str:
+    """``seq(map(int64, tensor(float)))`` and the like."""
+    kind = type_proto.WhichOneof("value")
+    if kind == "tensor_type":
+        return f"tensor({onnx.helper.tensor_dtype_to_np_dtype(type_proto.tensor_type.elem_type).name})" \
+            if type_proto.tensor_type.elem_type else "tensor"
+    if kind == "sequence_type":
+        return f"seq({_type_text(type_proto.sequence_type.elem_type)})"
+    if kind == "optional_type":
+        return f"optional({_type_text(type_proto.optional_type.elem_type)})"
+    if kind == "map_type":
+        key = onnx.helper.tensor_dtype_to_np_dtype(type_proto.map_type.key_type).name
+        return f"map({key}, {_type_text(type_proto.map_type.value_type)})"
+    return str(kind)
+
+
+def _map_typed_values(graph: onnx.GraphProto) -> list[str]:
+    """Names of the inputs, outputs and annotated values of ``graph`` (and its subgraphs) whose type
+    holds a map, with that type written out."""
+    def holds_map(type_proto: onnx.TypeProto) -> bool:
+        kind = type_proto.WhichOneof("value")
+        if kind == "map_type":
+            return True
+        if kind == "sequence_type":
+            return holds_map(type_proto.sequence_type.elem_type)
+        if kind == "optional_type":
+            return holds_map(type_proto.optional_type.elem_type)
+        return False
+
+    found = [f"{info.name} ({_type_text(info.type)})"
+             for info in [*graph.input, *graph.output, *graph.value_info] if holds_map(info.type)]
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                found += _map_typed_values(sub)
+    return found
+
+
+def _deserialized(proto: onnx.ModelProto) -> ir.Model:
+    """``ir.serde.deserialize_model(proto)``; a graph onnx_ir cannot read is a typed error."""
+    try:
+        return ir.serde.deserialize_model(proto)
+    except ir.serde.SerdeError as error:
+        maps = _map_typed_values(proto.graph)
+        if maps:
+            raise UnsupportedValueTypeError(
+                f"The graph has values of a map type, which onnx_ir (the graph library kenosis_rewrite works "
+                f"on) cannot represent: {', '.join(maps[:4])}. That is the ZipMap output of a scikit-learn "
+                "or LightGBM classifier converted with its default options; there is nothing to quantize in "
+                "a tree ensemble, and a neural network with such an output should be converted without it "
+                "(skl2onnx: options={'zipmap': False}; onnxmltools: zipmap=False) or have the ZipMap removed "
+                "before quantization and added back after."
+            ) from None
+        raise InvalidModelError(f"onnx_ir cannot read this model: {one_line(error.__cause__ or error)}") from error
 
 
 def _load_lazy(path: os.PathLike | str) -> LoadedModel:
@@ -436,7 +494,7 @@ def load(model: ModelLike, *, require_qdq: bool = True, lazy: bool = False) -> L
         )
     unsorted = _needs_sort(proto)
     # Tensors of the copy may view the proto's bytes; the proto is never written to, so that is safe.
-    copy = ir.serde.deserialize_model(proto)
+    copy = _deserialized(proto)
     notes = _sort(copy) if unsorted else []
     if require_qdq:
         notes += check_quantized(copy)

@@ -49,6 +49,30 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return tensor.numpy()
 
 
+# initializers up to this size (scales, zero points, clamp bounds) are held as read-only arrays
+_SMALL_CONSTANT_ELEMENTS = 64
+
+
+def small_constants_as_arrays(model: ir.Model) -> None:
+    """Hold ``model``'s small initializers (scales, zero points: up to ``_SMALL_CONSTANT_ELEMENTS``)
+    as numpy-backed tensors with the same values. A deserialized initializer parses its bytes again
+    at every ``numpy()``, and the rules read each Q/DQ's parameters many times (4,091 parses in one
+    PP-OCR cls quantize()). The arrays are read-only: a rule must build new tensors, as every rule
+    does, never write into the ones it read."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or isinstance(tensor, ir.Tensor) or tensor.size > _SMALL_CONSTANT_ELEMENTS:
+            continue
+        try:
+            array = tensor.numpy()
+        except Exception:  # noqa: BLE001 - an encoding numpy cannot hold (float8, 4-bit) stays as it is
+            continue
+        if array.dtype.kind not in "biuf":
+            continue
+        array.setflags(write=False)
+        value.const_value = ir.Tensor(array, dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantParams:
     """Scale, zero point and quantized type of one Q or DQ node (constants only)."""

@@ -18,6 +18,7 @@ __all__ = [
     "ZooError",
     "RuntimeMeasurementError",
     "RewriteError",
+    "UnsupportedValueTypeError",
 ]
 
 
@@ -67,6 +68,10 @@ class ZooError(KenosisError):
 
 class RuntimeMeasurementError(KenosisError):
     """ONNX Runtime could not build a session for the model (needed for explain/benchmarks)."""
+
+
+class UnsupportedValueTypeError(KenosisError):
+    """The graph has a value of a type onnx_ir cannot represent (a map: ZipMap's classifier output)."""
 
 
 class RewriteError(KenosisError):

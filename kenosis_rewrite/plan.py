@@ -62,14 +62,25 @@ def attention_matmuls(model: onnx.ModelProto) -> list[str]:
 _PASS_THROUGH = frozenset({"Identity", "Dropout", "Cast"})
 
 
+def _masks(node: onnx.NodeProto, probabilities: set[str], constants: set[str]) -> bool:
+    """``Where(c, p, k)`` or ``Where(c, k, p)`` of probabilities ``p`` and a constant ``k``: the
+    probabilities, some of them replaced (torch.export's NaN guard ``where(isnan(p), 0, p)``)."""
+    if node.op_type != "Where" or len(node.input) != 3:
+        return False
+    x, y = node.input[1], node.input[2]
+    return (x in probabilities and y in constants) or (y in probabilities and x in constants)
+
+
 def has_attention(model: onnx.ModelProto) -> bool:
     """A Softmax whose output a MatMul multiplies by a computed tensor (``softmax(QK^T) V``), the
     probabilities read directly or through :data:`_PASS_THROUGH` ops (PP-OCRv3's recognizer, as
-    exported: Softmax -> Identity -> MatMul)."""
+    exported: Softmax -> Identity -> MatMul) or a constant-filled Where (torch.export's BERT:
+    Softmax -> Where(IsNaN(p), 0, p) -> MatMul)."""
     constants = constant_names(model)
     probabilities = {node.output[0] for node in model.graph.node if node.op_type == "Softmax"}
     for node in model.graph.node:  # topological order: a pass-through op follows what it reads
-        if node.op_type in _PASS_THROUGH and node.input and node.input[0] in probabilities:
+        if ((node.op_type in _PASS_THROUGH and node.input and node.input[0] in probabilities)
+                or _masks(node, probabilities, constants)):
             probabilities.add(node.output[0])
     return any(node.op_type == "MatMul" and node.input[0] in probabilities and node.input[1] not in constants
                for node in model.graph.node)

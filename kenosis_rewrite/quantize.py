@@ -581,6 +581,7 @@ def quantize(
     # below hold the other with Python; float_runs is the worker's until then
     plain_runs = fidelity.Background(functools.partial(_plain_runs, float_runs, qdq if compare_quantize_static else None))
     model = ir.serde.deserialize_model(qdq)
+    _qdq.small_constants_as_arrays(model)
     quantized_nodes = {node.name for node in model.graph if node.name}
     _mark_deleted_activations(proto, model, quantized_nodes)
     # the integer MatMuls keep their QDQ form until bias correction and the FP32 fallbacks have read it

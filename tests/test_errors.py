@@ -171,3 +171,48 @@ def test_fix_refuses_an_input_that_fails_full_check_and_onnxruntime_alike():
     onnx.checker.check_model(proto)  # the plain check passes
     with pytest.raises(kenosis_rewrite.InvalidModelError, match="full_check.*ONNX Runtime refuses to load it"):
         kenosis_rewrite.fix(proto)
+
+
+def _zipmap_classifier(quantized: bool) -> onnx.ModelProto:
+    """MatMul -> Softmax -> ZipMap, as skl2onnx writes a classifier's probabilities by default: an
+    output of type seq(map(int64, tensor(float))), which ONNX Runtime runs and onnx_ir cannot hold."""
+    from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((4, 3)).astype(np.float32)
+    if quantized:
+        initializers = [numpy_helper.from_array(np.clip(np.round(weights / 0.02), -127, 127).astype(np.int8), "Wq"),
+                        numpy_helper.from_array(np.array(0.02, np.float32), "s"),
+                        numpy_helper.from_array(np.array(0, np.int8), "z")]
+        front = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+                 helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+                 helper.make_node("DequantizeLinear", ["Wq", "s", "z"], ["W"]),
+                 helper.make_node("MatMul", ["xd", "W"], ["y"])]
+    else:
+        initializers = [numpy_helper.from_array(weights, "W")]
+        front = [helper.make_node("MatMul", ["x", "W"], ["y"])]
+    probabilities = helper.make_sequence_type_proto(
+        helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, None)))
+    graph = helper.make_graph(
+        [*front, helper.make_node("Softmax", ["y"], ["p"], axis=1),
+         helper.make_node("ZipMap", ["p"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[0, 1, 2])],
+        "classifier", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 3]), helper.make_value_info("probabilities", probabilities)],
+        initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("call", ["quantize", "prepare", "fix"])
+def test_a_zipmap_output_is_a_typed_error_that_says_what_to_do(call):
+    """luscinia 1.0.0's LightGBM classifier (onnxmltools), and every skl2onnx classifier by default:
+    onnx_ir's SerdeError came out of quantize(), prepare() and fix()."""
+    model = _zipmap_classifier(quantized=call == "fix")
+    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 4)).astype(np.float32)} for i in range(4)]
+    function = {"quantize": lambda: kenosis_rewrite.quantize(model, calibration=feeds),
+                "prepare": lambda: kenosis_rewrite.prepare(model, feeds),
+                "fix": lambda: kenosis_rewrite.fix(model)}[call]
+    with pytest.raises(kenosis_rewrite.UnsupportedValueTypeError,
+                       match=r"probabilities \(seq\(map\(int64, tensor\(float32\)\)\)\).*zipmap"):
+        function()
