@@ -35,6 +35,7 @@ from kenosis_rewrite.passes import output_quantizers
 from kenosis_rewrite.passes.output_quantizers import QuantizeWeightedOutputsPass
 from kenosis_rewrite.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.passes.pin_shapes import pinned_model
+from kenosis_rewrite.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
 from kenosis_rewrite.report import FixReport, Refusal
 from kenosis_rewrite.rules.op_filter import op_filtered
 from kenosis_rewrite.targets import TARGETS as _TARGETS
@@ -444,6 +445,9 @@ def fix_loaded(
         report.notes[:0] = pinning.notes
     if optimize_for == "latency":
         _latency_placement(loaded.model, report, calibration, latency_budget_s, threads)
+        # the int8 targets' pair after data movement, where a layer put back in float left a DQ
+        # chain that ORT would requantize itself and refuse
+        apply_rules(loaded.model, target, (REQUANTIZE_AFTER_DATA_MOVEMENT,), report)
         after = _io.in_memory_proto(loaded.model)
     if bias_correction:
         from kenosis_rewrite.bias_correction import correct_biases  # noqa: PLC0415

@@ -59,6 +59,7 @@ from kenosis_rewrite.passes.concat_on_codes import RULE_NAME as CONCAT_ON_CODES
 from kenosis_rewrite.passes.dynamic_activations import DynamicActivationsPass
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.passes.output_quantizers import RULE_NAME as OUTPUT_QUANTIZERS
+from kenosis_rewrite.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
 from kenosis_rewrite.plan import WEIGHTED_OPS, WEIGHTED_PLANS, choose_plan, has_attention, plan_options
 from kenosis_rewrite.protection import METADATA_RULE, OutputProtectionPass, protected_nodes, unshare_protected_constants
@@ -595,6 +596,10 @@ def quantize(
         FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
     if protect_outputs:
         OutputProtectionPass(report, float_graph=prepared.graph, quantized_nodes=quantized_nodes)(model)
+        # on the int8 targets, the pair after data movement that now ends where the output's Q/DQ
+        # was taken away (ORT would insert it itself, stale, and refuse the model: an sklearn MLP's
+        # Add -> Reshape -> output)
+        apply_rules(model, target, (REQUANTIZE_AFTER_DATA_MOVEMENT,), report)
     corrected = weight_rounding or bias_correction
     if corrected:
         # what the corrections start from, run on the check's feeds on the core they leave idle
@@ -624,7 +629,8 @@ def quantize(
             _latency_placement(model, report, feeds, latency_budget_s, 1)
         # the weighted plan quantizes activations at run time: after everything that reads the QDQ form
         lowered = chosen_plan == "weighted" and DynamicActivationsPass(report)(model).modified
-        if apply_rules(model, target, deferred, report) or lowered:
+        # and that pair again where an FP32 fallback took a Q/DQ away
+        if apply_rules(model, target, (*deferred, REQUANTIZE_AFTER_DATA_MOVEMENT), report) or lowered:
             CleanupPass()(model)
         _unmark(model)
         out = ir.serde.serialize_model(model)

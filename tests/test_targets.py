@@ -92,3 +92,42 @@ def test_targets_are_data():
         assert isinstance(kenosis_rewrite.rules(name), kenosis_rewrite.pipeline.RewriteRuleSet)
     with pytest.raises(kenosis_rewrite.UnsupportedTargetError):
         targets.get_target("tpu")
+
+
+def _mlp_ending_in_a_reshape() -> onnx.ModelProto:
+    """An sklearn MLP regressor as skl2onnx writes it (surfaces-onnx-files 0.0.1): MatMul/Add/Relu
+    layers, the last Add reshaped into the output."""
+    from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32), name)
+             for name, shape in (("w1", (4, 16)), ("w2", (16, 1)))]
+    inits += [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+              for name, shape in (("b1", (16,)), ("b2", (1,)))]
+    inits.append(numpy_helper.from_array(np.array([-1, 1, 1], np.int64), "shape"))
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"]), helper.make_node("Add", ["m1", "b1"], ["a1"]),
+             helper.make_node("Relu", ["a1"], ["r1"]), helper.make_node("MatMul", ["r1", "w2"], ["m2"]),
+             helper.make_node("Add", ["m2", "b2"], ["a2"]), helper.make_node("Reshape", ["a2", "shape"], ["y"])]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 1, 1])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("target", ["ort-cpu-arm", "tensorrt", "npu"])
+def test_quantize_for_an_int8_target_runs_where_the_output_is_a_reshape_of_a_quantized_tensor(target):
+    """Output protection takes the output's Q/DQ away, leaving DQ(int8) -> Reshape -> output, which ORT
+    requantizes itself with a stale output_dtype and refuses: quantize(target="npu"/"ort-cpu-arm")
+    raised RuntimeMeasurementError on that MLP."""
+    model = _mlp_ending_in_a_reshape()
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((16, 4)).astype(np.float32)} for _ in range(6)]
+    quantized = kenosis_rewrite.quantize(model, calibration=feeds[:4], target=target)
+    onnx.checker.check_model(quantized, full_check=True)
+    assert [o.name for o in quantized.graph.output] == ["y"]
+    for feed in feeds[4:]:
+        expected = fidelity.run(model, [feed])[0][0]
+        got = fidelity.run(quantized, [feed])[0][0]  # ORT_ENABLE_ALL: builds and runs
+        assert got.shape == expected.shape
+        assert fidelity.cosine(expected, got) > 0.99

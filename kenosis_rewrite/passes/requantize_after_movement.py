@@ -20,8 +20,11 @@ Concat's DQ -> Reshape -> Transpose -> float op); with the pair already there OR
 runs the chain on int8 data. :mod:`kenosis_rewrite.passes.activation_hoist` handles the chains that
 end in a Relu/Clip before a Q, whose clamp the Q then applies.
 
+A chain that ends in a graph output gets the pair too (ORT propagates into it: an sklearn MLP's
+``Add -> Reshape -> output``); the output keeps its name, now on the pair's DQ.
+
 Left alone: opsets before 21 (their Q has no ``output_dtype`` to go stale), uint8 and per-axis
-DQs, DQs of constants, chains whose end is a graph output or is read only by Qs.
+DQs, DQs of constants, chains read only by Qs.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ class RequantizeAfterDataMovementPass(ReportingPass):
     def _requantize(self, names: _qdq.NameAllocator, dequantize: ir.Node, end: ir.Value, chain: list[ir.Node]) -> bool:
         """The pair after ``chain`` (ending in ``end``) for its float readers; False where there are none."""
         floats = [(user, index) for user, index in end.uses() if not _qdq.is_quantize(user)]
-        if not floats or end.is_graph_output():
+        output = end.is_graph_output()
+        if not floats and not output:
             return False
         graph = dequantize.graph
         quantize = ir.Node("", _qdq.QUANTIZE, [end, dequantize.inputs[1], dequantize.inputs[2]],
@@ -99,6 +103,13 @@ class RequantizeAfterDataMovementPass(ReportingPass):
         graph.insert_after(chain[-1], [quantize, requantized])
         for user, index in floats:
             user.replace_input_with(index, requantized.outputs[0])
+        if output:  # ORT propagates into graph outputs too; the output keeps its name, now the pair's
+            name = end.name
+            end.name = names.fresh(f"{name}_before_requantization")
+            requantized.outputs[0].name = name
+            for index, value in enumerate(graph.outputs):
+                if value is end:
+                    graph.outputs[index] = requantized.outputs[0]
         self.changed(chain[-1].name or chain[-1].op_type,
                      f"int8 Q/DQ after {' -> '.join(node.op_type for node in chain)} (the grid of "
                      f"{dequantize.name or 'its DequantizeLinear'}), before its float readers", exact=True)

@@ -118,3 +118,40 @@ def test_a_chain_from_a_dequantize_with_other_readers_gets_the_pair_too():
         for before, after in zip(_testing.outputs(proto, feed, optimized=False), _testing.outputs(fixed, feed, optimized=False)):
             np.testing.assert_array_equal(before, after)
         _testing.outputs(fixed, feed)  # ORT_ENABLE_ALL builds and runs
+
+
+OUTPUT_CHAIN_MODEL = """
+<ir_version: 10, opset_import: ["" : 21]>
+g (float[4, 3] x) => (float[4, 3, 1] y)
+<int8 z = {3}, float s = {0.05}, int64[3] shape = {4, 3, 1}>
+{
+  q = QuantizeLinear(x, s, z)
+  d = DequantizeLinear(q, s, z)
+  y = Reshape(d, shape)
+}
+"""
+
+
+def test_a_chain_into_a_graph_output_gets_the_pair_and_the_output_keeps_its_name():
+    """An sklearn MLP (surfaces-onnx-files 0.0.1) ends in ``Add -> Reshape -> output``: ORT propagates
+    the DQ into the output as well and refuses the session, so quantize(target="npu") and
+    quantize(target="ort-cpu-arm") raised RuntimeMeasurementError on it."""
+    proto = onnx.parser.parse_model(OUTPUT_CHAIN_MODEL)
+    try:
+        _testing.session(proto)
+    except (ort.capi.onnxruntime_pybind11_state.Fail, RuntimeError) as error:
+        assert "output_dtype" in str(error)
+    fixed, report = _testing.apply_pass(proto, RequantizeAfterDataMovementPass)
+    assert report.change_counts() == {RULE_NAME: 1}
+    assert [o.name for o in fixed.graph.output] == ["y"]
+    producers = {name: node for node in fixed.graph.node for name in node.output}
+    assert producers["y"].op_type == "DequantizeLinear"
+    assert producers[producers["y"].input[0]].op_type == "QuantizeLinear"
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        feed = {"x": (3.0 * rng.standard_normal((4, 3))).astype(np.float32)}
+        np.testing.assert_array_equal(_testing.outputs(proto, feed, optimized=False)[0],
+                                      _testing.outputs(fixed, feed, optimized=False)[0])
+        _testing.outputs(fixed, feed)  # ORT_ENABLE_ALL builds and runs
+    again, report = _testing.apply_pass(fixed, RequantizeAfterDataMovementPass)
+    assert not report.changes
