@@ -37,6 +37,9 @@ _SHIFT = 128
 
 
 def _is_weight_use(node: ir.Node, index: int) -> bool:
+    """A weight slot, directly or through Identity nodes (a weight shared by several layers)."""
+    if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+        return any(_is_weight_use(user, slot) for user, slot in node.outputs[0].uses())
     return index == 1 and node.op_type in _qdq.WEIGHTED_OPS and node.domain in ("", "ai.onnx")
 
 

@@ -139,3 +139,30 @@ def test_per_axis_activation_next_to_an_average_pool_stays_int8():
     _testing.ort_optimized_op_types(fixed)  # loads with every optimization on
     feed = {"x": np.random.default_rng(0).uniform(-2, 2, (1, 2, 4, 4)).astype(np.float32)}
     np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(proto, feed)[0])
+
+
+def test_a_weight_read_through_identity_nodes_stays_int8_and_fix_is_idempotent():
+    """An int8 weight constant read by its MatMuls through Identity nodes (a weight shared by several
+    layers, as PyTorch exports it): not an activation-typed constant. A second fix() of NNCF's
+    chython-rxnmap retyped 8 such weights to uint8 (u8u8 MatMuls) after the first folded them."""
+    import kenosis_rewrite  # noqa: PLC0415
+    import onnx_ir as ir  # noqa: PLC0415
+
+    proto = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4] x) => (float[2,4] y)
+    <int8[4,4] wq = {1, -2, 3, -4, 5, -6, 7, -8, 9, -10, 11, -12, 13, -14, 15, -16}, float ws = {0.02}, int8 wz = {0},
+     float xs = {0.05}, uint8 xz = {128}>
+    { w = DequantizeLinear(wq, ws, wz)  w1 = Identity(w)  w2 = Identity(w)
+      xq = QuantizeLinear(x, xs, xz)  xd = DequantizeLinear(xq, xs, xz)
+      h = MatMul(xd, w1)  hq = QuantizeLinear(h, xs, xz)  hd = DequantizeLinear(hq, xs, xz)
+      y = MatMul(hd, w2) }""")
+    model = ir.serde.deserialize_model(proto)
+    report = FixReport()
+    ActivationInt8ToUint8Pass(report)(model)
+    assert not [c for c in report.changes if "constant" in c.detail]
+    assert model.graph.initializers["wq"].const_value.dtype == ir.DataType.INT8
+    fixed = kenosis_rewrite.fix(proto)
+    again, second = kenosis_rewrite.fix(fixed, return_report=True)
+    assert not second.changes
+    assert again.SerializeToString() == fixed.SerializeToString()

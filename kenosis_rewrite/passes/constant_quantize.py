@@ -6,10 +6,18 @@ Transformation::
 
 where ``q_c = clip(rint(c / s) + z)`` (round half to even, as the ONNX spec and ORT compute it).
 
+where ``c`` may also be computed from constants alone: a DequantizeLinear of constants, and the
+Identity/Reshape/Squeeze/Unsqueeze/Flatten of either (:func:`~kenosis_rewrite._qdq.reshaped_constant`),
+computed as ONNX Runtime computes them (float32). Codes that come out equal share one initializer.
+
 Why: exporters that store weights as Constant nodes (Paddle2ONNX) lead quantize_static to treat
 them as activations: the weight is re-quantized at every run, and rules that need to read integer
 weights (BatchNormalization folding, bias requantization) cannot. With the integer initializer,
 the weight is a plain int8 weight again (and stays int8: the uint8 retyping leaves weights alone).
+A weight shared through Identity nodes (an ALBERT-style encoder reusing one layer's weights, as
+PyTorch exports it) gets, from NNCF, ``DQ(w) -> Identity -> Q -> DQ -> MatMul`` at every use: ONNX
+Runtime dequantized and requantized each copy at every run (chython-rxnmap: 112 ms of its 176 ms
+per inference in DequantizeLinear), and the MatMuls could not read int8 weights.
 
 Exactness: exact; the same computation, done once.
 """
@@ -32,17 +40,26 @@ class FoldConstantQuantizePass(ReportingPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, modified = model.graph, False
         names = _qdq.NameAllocator(graph)  # one scan of the graph for every constant quantized
+        folded: dict[tuple, ir.Value] = {}
         for node in list(graph):
             if not _qdq.is_quantize(node) or node.outputs[0].is_graph_output():
                 continue
-            values, params = _qdq.const_array(node.inputs[0]), _qdq.quant_params(node)
-            if values is None or params is None or params.block_size or params.dtype not in _qdq.INTEGER_RANGES:
+            params = _qdq.quant_params(node)
+            if params is None or params.block_size or params.dtype not in _qdq.INTEGER_RANGES:
                 continue
             if params.dtype not in _qdq.EIGHT_BIT and params.dtype not in (ir.DataType.INT16, ir.DataType.UINT16):
                 continue  # 4-bit packing is left to the weight-only tools
+            values = _qdq.reshaped_constant(node.inputs[0])
+            if values is None:
+                continue
             quantized = _qdq.quantize_array(values, params)
-            name = names.fresh(f"{node.inputs[0].name or 'constant'}_quantized")
-            initializer = _qdq.add_initializer(graph, ir.tensor(quantized, dtype=params.dtype, name=name), name)
+            # one initializer for equal codes (a weight shared through Identity nodes, each copy with
+            # the same quantizer: an ALBERT layer's weights, read by every layer)
+            key = (params.dtype, quantized.shape, quantized.tobytes())
+            initializer = folded.get(key)
+            if initializer is None:
+                name = names.fresh(f"{node.inputs[0].name or 'constant'}_quantized")
+                initializer = folded[key] = _qdq.add_initializer(graph, ir.tensor(quantized, dtype=params.dtype, name=name), name)
             node.outputs[0].replace_all_uses_with(initializer)
             modified = True
             self.changed(node.name or name, f"{node.inputs[0].name} quantized once, offline", exact=True)
