@@ -224,6 +224,16 @@ def load_feeds(path: str | os.PathLike) -> list[dict[str, np.ndarray]]:
     return [{name: data[f"{i}::{name}"] for name in names} for i in range(count)]
 
 
+def _cause(output: str, tail: list[str]) -> str:
+    """The line that says why a peer failed, for the first line of the error (which reports and
+    tables keep): the last line naming an error (a traceback's last line; INC logs its exception
+    and then returns no model, so its own last line says nothing), else the last line."""
+    for line in reversed(output.strip().splitlines()):
+        if "Error" in line or "ERROR" in line or "Exception" in line:
+            return line.strip()
+    return tail[-1].strip() if tail else "no output"
+
+
 def quantize_with_peer(
     name: str, model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], *, preset: str | None = None,
     cache_dir: str | os.PathLike | None = None, timeout_s: float = 3600.0,
@@ -258,8 +268,7 @@ def quantize_with_peer(
         elapsed = time.perf_counter() - start
         if done.returncode != 0 or not os.path.exists(out):
             tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
-            # the cause is the tool's last line: on the first too, which reports and tables keep
-            cause = tail[-1].strip() if tail else "no output"
+            cause = _cause(f"{done.stdout}\n{done.stderr}", tail)
             raise PeerFailedError(f"{peer.title} failed (exit {done.returncode}): {cause}\n" + "\n".join(tail))
         summary = next((json.loads(line) for line in reversed(done.stdout.splitlines()) if line.startswith("{")), {})
         quantized = onnx.load(out)

@@ -136,3 +136,17 @@ def test_cli_lists_peers_and_how_to_install_them(no_peers_installed, capsys):
     out = capsys.readouterr().out
     for name in peers.PEERS:
         assert f"kenosis-rewrite peers install {name}" in out
+
+
+def test_the_first_line_of_a_peer_failure_names_the_error_not_the_last_line():
+    """INC logs its exception and returns no model; its last line ("returned no model") said nothing
+    of why (malvizv1: a ShapeInferenceError, four lines up)."""
+    log = ("2026-11-27 [INFO] Start auto tuning.\n"
+           "2026-11-27 [ERROR] Unexpected exception ShapeInferenceError('(op_type:Reshape): 512 vs 26') happened during tuning.\n"
+           "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "2026-11-27 [INFO] Save tuning history\n"
+           "neural_compressor returned no model")
+    tail = log.splitlines()[-12:]
+    assert "ShapeInferenceError('(op_type:Reshape): 512 vs 26')" in peers._cause(log, tail)
+    assert peers._cause("just this line", ["just this line"]) == "just this line"
+    assert peers._cause("", []) == "no output"
