@@ -131,7 +131,10 @@ def _new_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | N
                 bounds.append(None)
                 continue
             bound_name = names.fresh(f"{base}_{suffix}")
-            tensor = ir.tensor(np.asarray(bound, dtype=dtype), name=bound_name)
+            # a bound beyond the type's range (the grid of a tensor holding the type's extremes, an
+            # attention mask's float32 minimum) becomes an infinity: no bound, as the Q's own clamp was there
+            with np.errstate(over="ignore"):
+                tensor = ir.tensor(np.asarray(bound, dtype=dtype), name=bound_name)
             bounds.append(_qdq.add_initializer(graph, tensor, bound_name))
         while bounds and bounds[-1] is None:
             bounds.pop()
