@@ -329,7 +329,8 @@ def dequantize_array(data: np.ndarray, params: QuantParams) -> np.ndarray:
         raise ValueError("blocked parameters are not supported here")
     scale = _along_axis(params.scale.astype(np.float32), params, data.ndim)
     zero_point = _along_axis(params.zero_point.astype(np.float32), params, data.ndim)
-    return ((data.astype(np.float32) - zero_point) * scale).astype(np.float32)
+    with np.errstate(over="ignore"):  # float32 overflows to an infinity, as DequantizeLinear's does
+        return ((data.astype(np.float32) - zero_point) * scale).astype(np.float32)
 
 
 def constant_or_dequantized(value: ir.Value | None, source=None) -> np.ndarray | None:
@@ -397,5 +398,6 @@ def quantize_array(values: np.ndarray, params: QuantParams) -> np.ndarray:
     """``clip(rint(values / scale) + zero_point)`` as QuantizeLinear computes it (half to even)."""
     scale = _along_axis(params.scale.astype(np.float32), params, values.ndim)
     zero_point = _along_axis(params.zero_point.astype(np.float64), params, values.ndim)
-    quantized = np.rint(values.astype(np.float32) / scale) + zero_point
+    with np.errstate(over="ignore"):  # an infinity saturates, as QuantizeLinear's does
+        quantized = np.rint(values.astype(np.float32) / scale) + zero_point
     return np.clip(quantized, params.qmin, params.qmax).astype(params.dtype.numpy())

@@ -279,7 +279,8 @@ def quantizer_clamp(quantize: ir.Node, reach: Interval | None = None) -> tuple[f
     limits = quantizer_range(params)
 
     def grid(x: float) -> float:
-        return x if math.isinf(x) else float(np.rint(np.float32(x) / scale)) + zero_point
+        with np.errstate(over="ignore"):  # beyond float32: an infinity, past either end of the grid
+            return x if math.isinf(x) else float(np.rint(np.float32(x) / scale)) + zero_point
 
     lo = limits.lo if grid(reach.lo) < params.qmin else None
     hi = limits.hi if grid(reach.hi) > params.qmax else None
