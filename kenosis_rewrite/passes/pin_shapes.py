@@ -28,7 +28,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
 from kenosis_rewrite import _io, _ort, _qdq, fidelity
-from kenosis_rewrite.canonical import pin_input_shapes
+from kenosis_rewrite.canonical import negative_dims_as_symbolic, pin_input_shapes
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.passes._base import ReportingPass
 from kenosis_rewrite.passes.shape_arithmetic import INDEX_GENERATORS, SHAPE_READERS
@@ -114,6 +114,8 @@ class PinInputShapesPass(ReportingPass):
         unknown = sorted(set(self.shapes) - names)
         if unknown:
             raise KenosisError(f"input_shapes names {unknown}, which are not graph inputs (inputs: {sorted(names)})")
+        # Paddle's -1 dims read as unknown first: pinned, a declared -1 would contradict the pinned size
+        negative_dims_as_symbolic(model, self.report or FixReport(target=""))
         if not pin_input_shapes(model, self.shapes, "given input_shapes", self.report or FixReport(target="")):
             return ir.passes.PassResult(model, modified=False)
         before, folded = len(model.graph), 0
@@ -162,6 +164,21 @@ def _matching_feeds(model: onnx.ModelProto, feeds: list[Mapping[str, np.ndarray]
     return matching[:_CHECK_FEEDS] or fidelity.random_feeds(model, _CHECK_FEEDS)
 
 
+def _checker_regression(original: onnx.ModelProto, pinned: onnx.ModelProto) -> str | None:
+    """Why ``pinned`` fails the full ONNX check that ``original`` passes, or None."""
+    def failure(proto: onnx.ModelProto) -> str | None:
+        try:
+            _io.check_model(proto, full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+            return str(error).splitlines()[0]
+        return None
+
+    after = failure(pinned)
+    if after is None or failure(original) is not None:
+        return None
+    return f"the pinned model fails the ONNX checker where the input passes it ({after})"
+
+
 def pinned_model(model: _io.ModelLike, shapes: Mapping[str, Sequence[int]],
                  feeds: Iterable[Mapping[str, np.ndarray]] | None = None):
     """``(model with pinned shapes, FixReport)``, the model of the kind given (a path gives a ModelProto).
@@ -183,6 +200,8 @@ def pinned_model(model: _io.ModelLike, shapes: Mapping[str, Sequence[int]],
         problem = None if same else "the pinned model's outputs differ from the input's"
     except RuntimeMeasurementError as error:
         problem = f"the pinned model does not run like the input ({error})"
+    if problem is None:
+        problem = _checker_regression(original, pinned)
     if problem is not None:
         refused = FixReport(target="pin-input-shapes")
         refused.refused(PinInputShapesPass.rule_name, "graph", f"{problem}; shapes left symbolic")

