@@ -652,5 +652,11 @@ def quantize(
         model, out, runs = finish(ir.serde.deserialize_model(uncorrected))
     report.fidelity = {} if plain is None else {"quantize_static": fidelity.scores(expected, plain)}
     report.fidelity["quantized"] = fidelity.scores(expected, runs)
+    if _self_calibrated(calibration):
+        # the ranges and this fidelity come from made-up inputs: on real data the same model has
+        # scored far lower (an LSTM state input spanning +-80: one output all zeros, 0.999 here)
+        report.note("fidelity is measured on the synthetic calibration inputs, which need not drive the model "
+                    "as real data does: the ranges came from them too. Pass calibration= feeds of real data (or "
+                    "a folder of images) for ranges and a fidelity that hold on real inputs")
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result
