@@ -175,6 +175,15 @@ def check_model(proto: onnx.ModelProto, *, full_check: bool = False) -> None:
     onnx.checker.check_model(proto, full_check=full_check)
 
 
+def full_check_problem(proto: onnx.ModelProto) -> str | None:
+    """Why ``proto`` fails :func:`check_model` with ``full_check`` (shape inference included), or None."""
+    try:
+        check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        return str(error)
+    return None
+
+
 def _check_large_path(path: str) -> bool:
     """Check the model at ``path`` without reading its tensors; True when its only fault is node order."""
     try:

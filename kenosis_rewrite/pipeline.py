@@ -174,14 +174,6 @@ def interface(proto: onnx.ModelProto) -> tuple:
     )
 
 
-def _passes_full_check(proto: onnx.ModelProto) -> str | None:
-    try:
-        _io.check_model(proto, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        return str(error)
-    return None
-
-
 def _ort_refusal(proto: onnx.ModelProto) -> str | None:
     """Why ONNX Runtime refuses to load ``proto`` (optimizations off), or None when it loads it."""
     from kenosis_rewrite import _ort  # noqa: PLC0415 - only for inputs that fail the checker
@@ -200,10 +192,10 @@ def _validate(before: onnx.ModelProto, after: onnx.ModelProto, report: FixReport
             "internal error: the rewrite changed the model's interface (inputs, outputs, opsets or "
             "metadata); no model is returned. Please report this with the model."
         )
-    problem = _passes_full_check(after)
+    problem = _io.full_check_problem(after)
     if problem is None:
         return
-    input_problem = _passes_full_check(before)
+    input_problem = _io.full_check_problem(before)
     if input_problem is not None:
         refusal = _ort_refusal(before)
         if refusal is not None:

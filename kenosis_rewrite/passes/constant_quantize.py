@@ -62,6 +62,6 @@ class FoldConstantQuantizePass(ReportingPass):
                 initializer = folded[key] = _qdq.add_initializer(graph, ir.tensor(quantized, dtype=params.dtype, name=name), name)
             node.outputs[0].replace_all_uses_with(initializer)
             modified = True
-            self.changed(node.name or name, f"{node.inputs[0].name} quantized once, offline", exact=True)
+            self.changed(node.name or initializer.name, f"{node.inputs[0].name} quantized once, offline", exact=True)
         remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)

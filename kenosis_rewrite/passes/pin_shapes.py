@@ -114,9 +114,10 @@ class PinInputShapesPass(ReportingPass):
         unknown = sorted(set(self.shapes) - names)
         if unknown:
             raise KenosisError(f"input_shapes names {unknown}, which are not graph inputs (inputs: {sorted(names)})")
+        report = self.report or FixReport(target="")
         # Paddle's -1 dims read as unknown first: pinned, a declared -1 would contradict the pinned size
-        negative_dims_as_symbolic(model, self.report or FixReport(target=""))
-        if not pin_input_shapes(model, self.shapes, "given input_shapes", self.report or FixReport(target="")):
+        negative_dims_as_symbolic(model, report)
+        if not pin_input_shapes(model, self.shapes, "given input_shapes", report):
             return ir.passes.PassResult(model, modified=False)
         before, folded = len(model.graph), 0
         for _ in range(_FOLD_ROUNDS):
@@ -166,17 +167,10 @@ def _matching_feeds(model: onnx.ModelProto, feeds: list[Mapping[str, np.ndarray]
 
 def _checker_regression(original: onnx.ModelProto, pinned: onnx.ModelProto) -> str | None:
     """Why ``pinned`` fails the full ONNX check that ``original`` passes, or None."""
-    def failure(proto: onnx.ModelProto) -> str | None:
-        try:
-            _io.check_model(proto, full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-            return str(error).splitlines()[0]
+    after = _io.full_check_problem(pinned)
+    if after is None or _io.full_check_problem(original) is not None:
         return None
-
-    after = failure(pinned)
-    if after is None or failure(original) is not None:
-        return None
-    return f"the pinned model fails the ONNX checker where the input passes it ({after})"
+    return f"the pinned model fails the ONNX checker where the input passes it ({after.splitlines()[0]})"
 
 
 def pinned_model(model: _io.ModelLike, shapes: Mapping[str, Sequence[int]],
