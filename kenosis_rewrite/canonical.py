@@ -79,6 +79,7 @@ from kenosis_rewrite.rules.op_filter import op_filtered
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.shape_slices import shape_slice_rules, static_dim_rules
 from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
+from kenosis_rewrite.passes.lift_constants import LiftAllConstantsPass
 
 __all__ = ["prepare", "PrepareFailedError", "PREPARE_TOLERANCE", "canonicalize"]
 
@@ -294,7 +295,7 @@ def _optimize_ir(model: ir.Model, num_iterations: int, should_fold=lambda node: 
             early_stop=True,
         ),
         common_passes.RemoveUnusedNodesPass(),
-        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        LiftAllConstantsPass(),
         common_passes.LiftSubgraphInitializersToMainGraphPass(),
         common_passes.DeduplicateInitializersPass(),
         common_passes.CommonSubexpressionEliminationPass(),
@@ -536,7 +537,7 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
     inferred: dict[ir.Node, tuple] = {}
     # Constant nodes as initializers (what the fold's last steps make of them), so that the checks
     # below see constants
-    common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    LiftAllConstantsPass()(model)
     if _folds_before_the_optimizer(model):
         _fold(model, inferred)
     if op_filtered(shape_slice_rules()).apply_to_model(model):

@@ -68,6 +68,7 @@ from kenosis_rewrite.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMU
 from kenosis_rewrite.targets import get_target
 from kenosis_rewrite.weight_rounding import RULE_NAME as WEIGHT_ROUNDING
 from kenosis_rewrite.weight_rounding import InputMoments, round_weights
+from kenosis_rewrite.passes.lift_constants import LiftAllConstantsPass
 
 FIDELITY_FEEDS = 8  # the calibration feeds the report's fidelity compares on
 # the first of them, on which weight rounding and bias correction must not move the output away: by
@@ -490,7 +491,7 @@ def quantize(
         prepared = ir.serde.deserialize_model(original)
     # Constant nodes become initializers: quantize_static then treats them as weights (int8,
     # per-channel, quantized once), not as activations re-quantized at every run.
-    common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(prepared)
+    LiftAllConstantsPass()(prepared)
     _gemm_row_biases_as_vectors(prepared, report)
     common_passes.RemoveUnusedNodesPass()(prepared)  # the rows no Gemm reads any more
     common_passes.NameFixPass()(prepared)  # quantize_static excludes nodes by name

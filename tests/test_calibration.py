@@ -258,7 +258,7 @@ def test_percentile_tails_give_the_full_histograms_percentile_or_say_they_cannot
 @pytest.mark.parametrize("one_by_one", [True, False])
 @pytest.mark.parametrize("size", [1, 5, 300, 4095, 4096, 20_000])
 def test_histogram_bins_are_the_documented_float32_arithmetic_at_every_size(size, one_by_one, monkeypatch):
-    """Few values are counted one by one (numpy >= 1.25), many by a bincount: the same bins, those
+    """Values are counted one by one (numpy >= 1.25) or by a bincount: the same bins, those
     of floor((x - lo) * (1 / width)) in float32, clipped to the histogram; and _index(x) names the
     bin x is counted in (the tails' thresholds and spikes are counted through it)."""
     from kenosis_rewrite.calibration import histogram
@@ -626,3 +626,19 @@ def test_a_run_never_returns_a_view_of_its_feed(views):
     feed["x"][...] = 7.0  # what a freed and reused buffer would show
     np.testing.assert_array_equal(outputs["x"], expected)
     assert all(isinstance(value, np.ndarray) for value in outputs.values())
+
+
+def test_a_histogram_without_its_zeros_counted_refuses_to_leave_them_out():
+    """Percentile and min/max collection skip the count of exact zeros (one pass over each array
+    less); entropy and mse, which leave zeros out, then get an error, not a silently different range."""
+    values = np.maximum(np.random.default_rng(0).standard_normal(4096).astype(np.float32), 0)
+    counted, uncounted = StreamingHistogram(), StreamingHistogram(count_zeros=False)
+    for histogram in (counted, uncounted):
+        histogram.update(values)
+    assert counted.zeros == int(np.count_nonzero(values == 0)) > 0 and uncounted.zeros == 0
+    np.testing.assert_array_equal(counted.counts, uncounted.counts)
+    for method in ("minmax", "percentile"):
+        assert range_from_histogram(uncounted, method, 99.99) == range_from_histogram(counted, method, 99.99)
+    for method in ("entropy", "mse"):
+        with pytest.raises(ValueError, match="zeros"):
+            range_from_histogram(uncounted, method, 99.99)

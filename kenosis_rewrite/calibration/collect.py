@@ -446,7 +446,8 @@ def _collect(float_model, feeds, kind, bins, max_pass_bytes, progress, observe, 
     def factory(name: str) -> StreamingHistogram:
         if kind == "tails" and selected[name] >= _TAILS_FROM_BYTES:
             return PercentileTails(bins, percentile)
-        return StreamingHistogram(bins, keep_histogram=kind != "minmax")
+        # only entropy and mse ("full") leave the zeros out
+        return StreamingHistogram(bins, keep_histogram=kind != "minmax", count_zeros=kind == "full")
 
     total = _length(feeds)
     samples = 0

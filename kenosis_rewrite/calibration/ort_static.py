@@ -180,6 +180,12 @@ class _ScanningONNXModel(ONNXModel):
     def _forget_indices(self) -> None:
         self._by_name = self._readers = None
 
+    def reader_count(self, name: str) -> int:
+        """``len(input_name_to_nodes()[name])`` (ORT's: one entry per input of a node that reads
+        ``name``), from the reader index instead of a map of the whole graph built for one name."""
+        readers = {id(node): node for node in self._reader_index().get(name, ())}  # a superset, repeats
+        return sum(1 for node in readers.values() for input_name in node.input if input_name == name)
+
     def get_initializer(self, name):
         return self._initializer_index().get(name)
 
@@ -222,6 +228,13 @@ class _ScanningONNXModel(ONNXModel):
         for node in readers.pop(old_input_name, ()):
             ONNXModel.replace_node_input(node, old_input_name, new_input_name)  # no-op where rewired since
             readers[new_input_name].append(node)
+
+    def replace_output_of_all_nodes(self, old_output_name, new_output_name):
+        """ORT's, the names compared in the node's own container before a call per node (once per
+        removable Relu/Clip, each a walk over the graph)."""
+        for node in self.model.graph.node:
+            if old_output_name in node.output:
+                ONNXModel.replace_node_output(node, old_output_name, new_output_name)
 
     def replace_input_of_nodes(self, old_input_name, new_input_name, node_names_set):
         super().replace_input_of_nodes(old_input_name, new_input_name, node_names_set)
@@ -290,6 +303,35 @@ class ChannelVectorisedQDQQuantizer(qdq_quantizer.QDQQuantizer):
         if not valid or not initializer.dims[axis] or 0 in initializer.dims:
             return None
         return axis
+
+    def adjust_tensor_ranges(self):
+        """ORT's, the model's map of each tensor's readers built once, not once per Relu/Clip: the
+        method reads the graph and changes only the ranges (``tensors_range``)."""
+        readers = self.model.input_name_to_nodes()
+        self.model.input_name_to_nodes = lambda: readers
+        try:
+            super().adjust_tensor_ranges()
+        finally:
+            del self.model.input_name_to_nodes
+
+    def try_replacing_upstream_output(self, upstream_output_name, output_name):
+        """ORT's (onnxruntime 1.32; a removable Relu/Clip's input takes its output's name), its
+        count of the input's readers from :meth:`_ScanningONNXModel.reader_count`: ORT mapped every
+        tensor of the graph to its readers to count one tensor's, for each such activation (a
+        quarter of PP-OCR cls's quantize_static)."""
+        if (
+            output_name in self.quantization_params
+            and self.quantization_params[output_name].converted is None
+            and self.quantization_params[upstream_output_name].converted is None
+            and self.model.reader_count(upstream_output_name) == 1
+            and not self.model.is_graph_output(upstream_output_name)
+            and not self.model.is_graph_input(upstream_output_name)
+        ):
+            self.model.replace_output_of_all_nodes(upstream_output_name, output_name)
+            if upstream_output_name in self.tensors_to_quantize:
+                del self.tensors_to_quantize[upstream_output_name]
+            return True
+        return False
 
     def _calc_initializer_quant_params(self) -> dict:
         initializers = {init.name: init for init in self.model.initializer()}

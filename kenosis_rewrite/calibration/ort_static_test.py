@@ -123,7 +123,8 @@ def test_same_model_as_quantize_static_on_more_graphs(name):
 def test_indexed_lookups_change_the_graph_as_orts_scans_do(seed):
     """Random sequences of the graph edits ORT's quantizer makes, on ORT's ONNXModel and on the
     indexed one: every lookup answers the same and the graphs end byte for byte the same. Names
-    repeat on purpose (initializers of one name, nodes reading a tensor twice)."""
+    repeat on purpose (initializers of one name, nodes reading a tensor twice); each tensor's count
+    of readers is the length of its list in ORT's map."""
     from onnx import helper  # noqa: PLC0415
     from onnxruntime.quantization.onnx_model import ONNXModel  # noqa: PLC0415
 
@@ -145,7 +146,7 @@ def test_indexed_lookups_change_the_graph_as_orts_scans_do(seed):
         onnx.ModelProto.FromString(base.SerializeToString()))
     added = 0
     for _ in range(120):
-        action = rng.integers(0, 8)
+        action = rng.integers(0, 9)
         name, other = (str(rng.choice([*names, "new0", "new1"])) for _ in range(2))
         if action == 0:
             for model in (theirs, ours):
@@ -179,12 +180,17 @@ def test_indexed_lookups_change_the_graph_as_orts_scans_do(seed):
             inits = [tensor(name), tensor(other)]
             for model in (theirs, ours):
                 model.initializer_extend(inits)
-        else:
+        elif action == 7:
             chosen = {f"n{rng.integers(0, 8)}"}
             for model in (theirs, ours):
                 model.replace_input_of_nodes(name, other, chosen)
+        else:
+            target = str(rng.choice([f"o{i}" for i in range(8)] + [f"m{i}" for i in range(added)]))
+            for model in (theirs, ours):
+                model.replace_output_of_all_nodes(target, f"{target}_renamed")
         assert theirs.model.SerializeToString() == ours.model.SerializeToString(), (action, name, other)
         for probe in (name, other):
             found = [model.get_initializer(probe) for model in (theirs, ours)]
             assert found[0] == found[1]
+            assert ours.reader_count(probe) == len(theirs.input_name_to_nodes().get(probe, []))
     assert theirs.model.SerializeToString() == ours.model.SerializeToString()
