@@ -117,7 +117,7 @@ def metadata_nodes(model: onnx.ModelProto, metadata_inputs: set[str]) -> list[st
     return protected_nodes(model, metadata_inputs, shape_paths=False)
 
 
-def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_paths: bool = True) -> list[str]:
+def protected_nodes(model: onnx.ModelProto | ir.Model, metadata_inputs: set[str], shape_paths: bool = True) -> list[str]:
     """Names of the nodes quantize() must leave in float: every node that reads a float tensor computed
     only from ``metadata_inputs``, from tensor shapes (``Shape``/``Size``, index generators; with
     ``shape_paths``) or only from constants by other nodes (anchors, grids, priors generated in the graph).
@@ -127,7 +127,7 @@ def protected_nodes(model: onnx.ModelProto, metadata_inputs: set[str], shape_pat
     The origins are :func:`passes.shape_arithmetic.value_origins` (one definition for quantize()
     and fix()); on the float model, a tensor computed from constants alone is protected too.
     """
-    graph = ir.serde.deserialize_model(model).graph
+    graph = (model if isinstance(model, ir.Model) else ir.serde.deserialize_model(model)).graph  # only read
     computed = Origin.SHAPE if shape_paths else Origin.CONSTANT
     origins = value_origins(graph, metadata_inputs, shape_paths=shape_paths, computed_constants=computed)
     excluded = []

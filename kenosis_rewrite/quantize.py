@@ -484,11 +484,11 @@ def quantize(
         preparation = FixReport(target="prepare")
         # synthetic feeds have made-up sizes: they must not fix the model's input dims
         prepared = prepare_serialized(original, feeds, preparation, reference=float_runs,
-                                      pin_shapes=not _self_calibrated(calibration), observer=maxima)
+                                      pin_shapes=not _self_calibrated(calibration), observer=maxima, work=loaded.model)
         report.changes.extend(preparation.changes)
         report.notes.extend(preparation.notes)
     else:
-        prepared = ir.serde.deserialize_model(original)
+        prepared = loaded.model  # what deserialising ``original`` would give
     # Constant nodes become initializers: quantize_static then treats them as weights (int8,
     # per-channel, quantized once), not as activations re-quantized at every run.
     LiftAllConstantsPass()(prepared)
@@ -523,7 +523,8 @@ def quantize(
     planned_exclusions = planned.pop("nodes_to_exclude", [])
     options.update(planned)
     metadata = _metadata_inputs(proto) if protect_metadata_inputs else set()
-    excluded = protected_nodes(proto, metadata)
+    # read on the prepared graph where ``proto`` is its serialisation (equalize() changes only weights)
+    excluded = protected_nodes(prepared if unconverted else proto, metadata)
     unshare_protected_constants(proto, excluded)
     if excluded or planned_exclusions:
         _exclude(options, [*excluded, *planned_exclusions])
