@@ -538,9 +538,12 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
     # Constant nodes as initializers (what the fold's last steps make of them), so that the checks
     # below see constants
     LiftAllConstantsPass()(model)
-    if _folds_before_the_optimizer(model):
+    first_fold = _folds_before_the_optimizer(model)
+    if first_fold:
         _fold(model, inferred)
-    if op_filtered(shape_slice_rules()).apply_to_model(model):
+    # and again where the shape reads became Shape(x, start, end): only where the first fold is
+    # made (elsewhere the folds after the optimizer fold them)
+    if op_filtered(shape_slice_rules()).apply_to_model(model) and first_fold:
         _fold(model, inferred)
     if shapes and computed_layout_parameters(model):
         # only while a Pad/Resize computes its parameters: a pinned model accepts no other shapes
@@ -552,9 +555,6 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
             if computed_layout_parameters(model) and pin_input_shapes(model, attempt, source, report):
                 _fold(model, inferred)
                 _fold_static_dim_reads(model, inferred)
-    if _reads_shapes(model) and _symbolic_inputs(model):
-        report.note("prepare: the input dims stay symbolic, so the model keeps accepting every shape; its shape "
-                    "arithmetic stays float. To fold it for one deployment shape: fix(model, input_shapes={...})")
     model = _ort_basic_optimized(model, report)  # a new model: new nodes
     inferred = {}
     _fold(model, inferred)
@@ -562,6 +562,10 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
         # without a rewrite the graph is the one just folded: folding it again changes nothing (the
         # whole zoo checked) and costs onnxscript's pattern matching over every node once more
         _fold(model, inferred)
+    # what the folds left (the shape reads of static dims fold after the optimizer where no first fold ran)
+    if _reads_shapes(model) and _symbolic_inputs(model):
+        report.note("prepare: the input dims stay symbolic, so the model keeps accepting every shape; its shape "
+                    "arithmetic stays float. To fold it for one deployment shape: fix(model, input_shapes={...})")
     after = _op_counts(model)
     for op_type in sorted(set(before) | set(after)):
         if before[op_type] != after[op_type]:
