@@ -8,10 +8,10 @@ failure costs a matcher set-up per node and rule, and a pattern with several out
 whose pattern can end at its op type; even a refusal per rule and node cost a Python call each
 (138,000 per quantize() of PP-OCR cls, 0.1 s). Of those it skips, too, the rules whose pattern
 reads an input computed by an op of a fixed type (and that op's inputs likewise, a few nodes up)
-that the node's input does not come from (:func:`producer_requirements`): a matcher's set-up and bindings cost 16 us a refusal (``Conv ->
-Q -> DQ -> Mul`` tried on every Mul of a quantized graph). The rewrites are exactly those of the
-unwrapped set: the same nodes in the same order, the same rules in the same order; only matches
-bound to fail are skipped.
+that the node's input does not come from (:func:`producer_requirements`): a matcher's set-up and
+bindings cost 16 us a refusal (``Conv -> Q -> DQ -> Mul`` tried on every Mul of a quantized
+graph). The rewrites are exactly those of the unwrapped set: the same nodes in the same order, the
+same rules in the same order; only matches bound to fail are skipped.
 """
 
 from __future__ import annotations
