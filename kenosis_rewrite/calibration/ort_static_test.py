@@ -194,3 +194,48 @@ def test_indexed_lookups_change_the_graph_as_orts_scans_do(seed):
             assert found[0] == found[1]
             assert ours.reader_count(probe) == len(theirs.input_name_to_nodes().get(probe, []))
     assert theirs.model.SerializeToString() == ours.model.SerializeToString()
+
+
+@pytest.mark.parametrize("weight_declared_as_input", [False, True])
+def test_shape_inference_without_the_weights_gives_infer_shapes_model_byte_for_byte(weight_declared_as_input, monkeypatch):
+    """shape_inferred leaves large float weights out of the copy it infers (as typed inputs) and
+    puts them back: infer_shapes' model, whatever reads a small constant (a Reshape's shape), a
+    weight declared as a graph input too (IR 3 style), a subgraph; the input model untouched."""
+    from onnx import helper  # noqa: PLC0415
+
+    from kenosis_rewrite.calibration.ort_static import _INFERENCE_WEIGHTS_LEFT_OUT, shape_inferred  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    width = int(np.ceil(np.sqrt(_INFERENCE_WEIGHTS_LEFT_OUT))) + 8
+    weight = onnx.numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), "w")
+    branch = helper.make_graph([helper.make_node("Relu", ["y"], ["then_out"])], "then", [], [
+        helper.make_tensor_value_info("then_out", onnx.TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Neg", ["y"], ["else_out"])], "else", [], [
+        helper.make_tensor_value_info("else_out", onnx.TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Reshape", ["m", "shape"], ["y"]),
+             helper.make_node("Add", ["y", "bias"], ["b"]),
+             helper.make_node("If", ["flag"], ["z"], then_branch=branch, else_branch=other)]
+    inputs = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", width]),
+              helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, [])]
+    if weight_declared_as_input:
+        inputs.append(helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [width, width]))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, None),
+                                                   helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)],
+                              [weight, onnx.numpy_helper.from_array(np.array([-1, 2, width // 2], np.int64), "shape"),
+                               onnx.numpy_helper.from_array(np.ones(width // 2, np.float32), "bias")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=3 if weight_declared_as_input else 8)
+    model.metadata_props.add(key="source", value="test")
+    before = model.SerializeToString()
+    expected = onnx.shape_inference.infer_shapes(model)
+    inferring = onnx.shape_inference.infer_shapes
+    seen = []
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes",
+                        lambda m, *a, **k: (seen.append([i.name for i in m.graph.initializer]), inferring(m, *a, **k))[1])
+    got = shape_inferred(model)
+    assert seen == [["shape", "bias"]]  # the weight was left out of the copy inferred
+    assert model.SerializeToString() == before
+    assert got.SerializeToString() == expected.SerializeToString()
+    assert {value.name for value in got.graph.value_info} >= {"m", "y"}  # inference reached past the weight
+    shape = next(value for value in got.graph.value_info if value.name == "y").type.tensor_type.shape
+    assert [d.dim_value for d in shape.dim][1:] == [2, width // 2]  # the Reshape's constant was read
