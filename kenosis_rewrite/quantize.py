@@ -604,14 +604,17 @@ def quantize(
         apply_rules(model, target, (REQUANTIZE_AFTER_DATA_MOVEMENT,), report)
     corrected = weight_rounding or bias_correction
     if corrected:
-        # what the corrections start from, run on the check's feeds on the core they leave idle
+        # what the corrections start from (run on the check's feeds below)
         uncorrected = ir.serde.serialize_model(model)
-        uncorrected_runs = fidelity.Background(functools.partial(
-            fidelity.run, uncorrected, float_runs.feeds[:CORRECTION_CHECK_FEEDS], one_core=True))
     if weight_rounding:
         rounded = round_weights(proto, model, feeds, report, gathered=layer_inputs,
                                 factors=factors.result() if factors is not None else None)
         report.note(f"weight rounding: {rounded} layers")
+    if corrected:
+        # on the core bias correction leaves idle; not beside weight rounding, whose factors of H^-1
+        # are still being computed on it
+        uncorrected_runs = fidelity.Background(functools.partial(
+            fidelity.run, uncorrected, float_runs.feeds[:CORRECTION_CHECK_FEEDS], one_core=True))
     if bias_correction:
         corrected_layers = correct_biases(proto, model, feeds, report)
         report.note(f"bias correction: {corrected_layers} layers")
