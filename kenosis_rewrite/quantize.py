@@ -67,7 +67,7 @@ from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
 from kenosis_rewrite.targets import get_target
 from kenosis_rewrite.weight_rounding import RULE_NAME as WEIGHT_ROUNDING
-from kenosis_rewrite.weight_rounding import InputMoments, round_weights
+from kenosis_rewrite.weight_rounding import FactorsInBackground, InputMoments, round_weights
 from kenosis_rewrite.passes.lift_constants import LiftAllConstantsPass
 
 FIDELITY_FEEDS = 8  # the calibration feeds the report's fidelity compares on
@@ -572,7 +572,7 @@ def quantize(
     # idle (started later, they took a core from bias correction's probe); float_runs is the worker's
     float_runs.prefetch((True, FIDELITY_FEEDS))
     # and weight rounding's factors of H^-1, which need only the gathered moments (LAPACK, no GIL)
-    factors = fidelity.Background(layer_inputs.inverse_factors) if layer_inputs is not None else None
+    factors = FactorsInBackground(layer_inputs) if layer_inputs is not None else None
     try:
         with quiet_logger():
             qdq = calib.quantize_with_ranges(measured, ranges, serialised=True, **options)
@@ -608,7 +608,7 @@ def quantize(
         uncorrected = ir.serde.serialize_model(model)
     if weight_rounding:
         rounded = round_weights(proto, model, feeds, report, gathered=layer_inputs,
-                                factors=factors.result() if factors is not None else None)
+                                factors=factors)
         report.note(f"weight rounding: {rounded} layers")
     if corrected:
         # on the core bias correction leaves idle; not beside weight rounding, whose factors of H^-1

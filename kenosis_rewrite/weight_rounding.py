@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -304,6 +305,39 @@ class InputMoments:
                 for reference, moment in self._moments.items() if moment.count}
 
 
+class FactorsInBackground:
+    """:meth:`InputMoments.inverse_factors`, computed on a worker thread one layer at a time, in
+    the order the layers were gathered (graph order, the order :func:`round_weights` takes them):
+    :meth:`get` waits only for the layer asked for, so rounding starts with the first layer's
+    factor instead of all of them. What the worker raises, :meth:`get` raises."""
+
+    def __init__(self, moments: InputMoments):
+        hessians = [(reference, moment) for reference, moment in moments._moments.items() if moment.count]
+        self._factors: dict[str, np.ndarray | None] = {}
+        self._ready = {reference: threading.Event() for reference, _ in hessians}
+        self._error: BaseException | None = None
+        threading.Thread(target=self._work, args=(hessians,), name="weight-rounding-factors", daemon=True).start()
+
+    def _work(self, hessians: list[tuple[str, _Moments]]) -> None:
+        try:
+            for reference, moment in hessians:
+                self._factors[reference] = inverse_factor(moment.hessian())
+                self._ready[reference].set()
+        except BaseException as error:  # noqa: BLE001 - handed to the reader
+            self._error = error
+            for event in self._ready.values():
+                event.set()
+
+    def get(self, reference: str, default=None):
+        ready = self._ready.get(reference)
+        if ready is None:
+            return default
+        ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self._factors.get(reference, default)
+
+
 def _measure(float_model: onnx.ModelProto, layers: Sequence[_Layer], feeds) -> list[_Moments]:
     model = onnx.ModelProto()
     model.CopyFrom(float_model)
@@ -407,12 +441,13 @@ def round_weights(
     report: FixReport | None = None,
     max_columns: int | None = MAX_COLUMNS,
     gathered: InputMoments | None = None,
-    factors: Mapping[str, np.ndarray | None] | None = None,
+    factors: Mapping[str, np.ndarray | None] | FactorsInBackground | None = None,
 ) -> int:
     """Re-round, in place, the integer weights of the Conv/Gemm/MatMul layers of ``model`` it can match
     with ``float_model`` (see the module docstring) and whose weights per output channel are at most
     ``max_columns`` (None: every layer). ``gathered``: inputs already seen on ``feeds`` (the layers
-    it has are not run again); ``factors``: its :meth:`InputMoments.inverse_factors`, if computed.
+    it has are not run again); ``factors``: its :meth:`InputMoments.inverse_factors`, if computed
+    (or being computed: :class:`FactorsInBackground`).
     Returns the number of layers re-rounded."""
     layers = [layer for layer in matched_layers(float_model, model, _OPS, _layer, RULE_NAME, report)
               # round-to-nearest is as good on wide layers (measured), and H would cost columns**2

@@ -238,9 +238,19 @@ def test_inputs_gathered_from_the_calibration_run_round_as_measured_ones(monkeyp
     def no_factoring(*args):
         raise AssertionError("the gathered layers' factors were given")
 
+    # and computed on a worker thread layer by layer (quantize()): the same factors, the same model
+    in_background = weight_rounding.FactorsInBackground(gathered)
+    assert all(np.array_equal(in_background.get(reference), upper) for reference, upper in factors.items())
+    assert in_background.get("not a layer", "absent") == "absent"
     monkeypatch.setattr(weight_rounding, "inverse_factor", no_factoring)
     prefactored, _ = _rounded(float_model, quantized, feeds, gathered=gathered, factors=factors)
     assert prefactored.SerializeToString() == measured.SerializeToString()
+    progressive, _ = _rounded(float_model, quantized, feeds, gathered=gathered, factors=in_background)
+    assert progressive.SerializeToString() == measured.SerializeToString()
+    # what the worker raises reaches the reader
+    failing = weight_rounding.FactorsInBackground(gathered)  # inverse_factor raises now
+    with pytest.raises(AssertionError, match="factors were given"):
+        failing.get(next(iter(factors)))
 
 
 def _dense(fan_in: int = 24) -> onnx.ModelProto:
