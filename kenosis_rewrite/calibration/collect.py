@@ -351,8 +351,14 @@ def _run_group(session: ort.InferenceSession, names: list[str], feeds: Iterable[
     with (concurrent_futures.ThreadPoolExecutor(1, thread_name_prefix="calibration-run") as runner,
           concurrent_futures.ThreadPoolExecutor(fidelity.cores(), thread_name_prefix="calibration-stats") as binners):
         def absorb(outputs: list) -> None:
-            work = [binners.submit(task) for task in _batched(updates(outputs))]
-            work += [binners.submit(task) for task in observed(outputs)]
+            # the observer's tasks (weight rounding's moments: matrix products) first, as one task:
+            # one thread computes them while the others bin, whose Python holds the GIL the
+            # products release (PP-OCR cls, a feed's binning and moments: 9.2 ms one after the
+            # other, 6.3 ms side by side; one task each, both threads binned first, then both
+            # multiplied)
+            observer_tasks = observed(outputs)
+            work = [binners.submit(functools.partial(_run_each, observer_tasks))] if observer_tasks else []
+            work += [binners.submit(task) for task in _batched(updates(outputs))]
             for done in work:
                 done.result()  # every update of this feed before any of the next
 
