@@ -70,6 +70,7 @@ from onnxscript.rewriter.rules.common import fuse_hardswish_rules, no_op_transpo
 from kenosis_rewrite import _io, _ort, fidelity
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.ort_quantize import quiet_logger
+from kenosis_rewrite.passes.lift_constants import LiftAllConstantsPass
 from kenosis_rewrite.passes.shape_arithmetic import Origin, value_origins
 from kenosis_rewrite.report import FixReport
 from kenosis_rewrite.rules.channel_affine import channel_affine_rules
@@ -79,7 +80,6 @@ from kenosis_rewrite.rules.op_filter import op_filtered
 from kenosis_rewrite.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.rules.shape_slices import shape_slice_rules, static_dim_rules
 from kenosis_rewrite.rules.transpose_sinking import transpose_sinking_rules
-from kenosis_rewrite.passes.lift_constants import LiftAllConstantsPass
 
 __all__ = ["prepare", "PrepareFailedError", "PREPARE_TOLERANCE", "canonicalize"]
 

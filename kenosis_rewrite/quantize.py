@@ -58,6 +58,7 @@ from kenosis_rewrite.ort_quantize import quiet_logger
 from kenosis_rewrite.passes.concat_on_codes import RULE_NAME as CONCAT_ON_CODES
 from kenosis_rewrite.passes.dynamic_activations import DynamicActivationsPass
 from kenosis_rewrite.passes.float_readers import FloatReadersReadFloatPass
+from kenosis_rewrite.passes.lift_constants import LiftAllConstantsPass
 from kenosis_rewrite.passes.output_quantizers import RULE_NAME as OUTPUT_QUANTIZERS
 from kenosis_rewrite.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
 from kenosis_rewrite.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
@@ -68,7 +69,6 @@ from kenosis_rewrite.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMU
 from kenosis_rewrite.targets import get_target
 from kenosis_rewrite.weight_rounding import RULE_NAME as WEIGHT_ROUNDING
 from kenosis_rewrite.weight_rounding import FactorsInBackground, InputMoments, round_weights
-from kenosis_rewrite.passes.lift_constants import LiftAllConstantsPass
 
 FIDELITY_FEEDS = 8  # the calibration feeds the report's fidelity compares on
 # the first of them, on which weight rounding and bias correction must not move the output away: by

@@ -301,8 +301,11 @@ class InputMoments:
         """:func:`inverse_factor` of every gathered layer's ``H``, by FP32 layer output. It needs only
         the moments: quantize() computes it on an idle core while quantize_static runs (LAPACK
         releases the GIL), and :func:`round_weights` uses it for the layers :meth:`of` answers."""
-        return {reference: inverse_factor(moment.hessian())
-                for reference, moment in self._moments.items() if moment.count}
+        return {reference: inverse_factor(moment.hessian()) for reference, moment in self.gathered()}
+
+    def gathered(self) -> list[tuple[str, _Moments]]:
+        """``(FP32 layer output, moments)`` of every layer seen on at least one sample, in graph order."""
+        return [(reference, moment) for reference, moment in self._moments.items() if moment.count]
 
 
 class FactorsInBackground:
@@ -312,7 +315,7 @@ class FactorsInBackground:
     factor instead of all of them. What the worker raises, :meth:`get` raises."""
 
     def __init__(self, moments: InputMoments):
-        hessians = [(reference, moment) for reference, moment in moments._moments.items() if moment.count]
+        hessians = moments.gathered()
         self._factors: dict[str, np.ndarray | None] = {}
         self._ready = {reference: threading.Event() for reference, _ in hessians}
         self._error: BaseException | None = None
