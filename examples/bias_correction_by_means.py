@@ -22,10 +22,12 @@ import numpy as np
 from onnx import numpy_helper
 
 import kenosis_rewrite
-from kenosis_rewrite import bias_correction, fidelity, zoo
-from kenosis_rewrite.fuzz_running import run_model
+from kenosis_rewrite.accuracy import bias_correction
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite import zoo
+from kenosis_rewrite.testing.fuzz_running import run_model
 
-quantize_module = sys.modules["kenosis_rewrite.quantize"]
+quantize_module = sys.modules["kenosis_rewrite.quantization.pipeline"]
 
 
 def mean_cosine(reference, outputs) -> float:

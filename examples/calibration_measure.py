@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kenosis_rewrite import fidelity
+from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.calibration import (
     collect_ranges,
     describe,

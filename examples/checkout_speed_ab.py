@@ -4,7 +4,7 @@
 
 Each checkout quantizes the zoo model in its own interpreter (``PYTHONPATH=CHECKOUT``), on the 16
 scenes the zoo benchmarks calibrate on; both models are then timed in this process, interleaved,
-on one held-out photo, at 1 and 2 threads (medians, warm-up first: ``kenosis_rewrite._timing``).
+on one held-out photo, at 1 and 2 threads (medians, warm-up first: ``kenosis_rewrite.core.interleaved_timing``).
 Run it with the roles swapped too: the second variant of a pair can read a little slower on a
 shared host. Prints new/old per round, and whether the two models are byte-identical.
 """
@@ -17,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-from kenosis_rewrite import _timing, zoo
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite import zoo
 
 _QUANTIZE = """
 import sys
@@ -53,8 +54,8 @@ def main(argv: list[str]) -> int:
         print(f"{name}: models {'byte-identical' if old == new else 'differ'}", flush=True)
         for threads in (1, 2):
             for _ in range(args.rounds):
-                sessions = {"old": _timing.session(old, threads), "new": _timing.session(new, threads)}
-                medians = _timing.interleaved_medians(sessions, feed, seconds=args.seconds)
+                sessions = {"old": interleaved_timing.session(old, threads), "new": interleaved_timing.session(new, threads)}
+                medians = interleaved_timing.interleaved_medians(sessions, feed, seconds=args.seconds)
                 print(f"  {threads} thread(s): old {medians['old'] * 1e3:.2f} ms, new {medians['new'] * 1e3:.2f} ms, "
                       f"new/old {medians['new'] / medians['old']:.3f}", flush=True)
     return 0

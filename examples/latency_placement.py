@@ -9,7 +9,9 @@ import sys
 import time
 
 import kenosis_rewrite
-from kenosis_rewrite import bench, ort_quantize, zoo
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite import zoo
 
 
 def main(names: list[str]) -> int:

@@ -17,7 +17,10 @@ import argparse
 import onnx
 
 import kenosis_rewrite
-from kenosis_rewrite import _timing, fidelity, ort_quantize, peers
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.benchmark import peers
 
 
 def main() -> None:
@@ -44,11 +47,11 @@ def main() -> None:
     scores = fidelity.compare_to_float(fp32, variants, held_out)
     speed = {}
     for threads in (1, 2):
-        sessions = {"fp32": _timing.session(fp32.SerializeToString(), threads=threads)}
-        sessions.update({name: _timing.session(m.SerializeToString(), threads=threads) for name, m in variants.items()})
-        medians = _timing.interleaved_medians(sessions, feeds[0], seconds=args.seconds)
+        sessions = {"fp32": interleaved_timing.session(fp32.SerializeToString(), threads=threads)}
+        sessions.update({name: interleaved_timing.session(m.SerializeToString(), threads=threads) for name, m in variants.items()})
+        medians = interleaved_timing.interleaved_medians(sessions, feeds[0], seconds=args.seconds)
         speed[threads] = {name: medians["fp32"] / value for name, value in medians.items()}
-    print(f"host: {_timing.cpu_description()}")
+    print(f"host: {interleaved_timing.cpu_description()}")
     print("| variant | integer MACs | cosine | x FP32, 1 thread | x FP32, 2 threads |")
     print("|---|---:|---:|---:|---:|")
     for name, model in variants.items():

@@ -18,10 +18,10 @@ import warnings
 import numpy as np
 
 import kenosis_rewrite
-from kenosis_rewrite import fuzz_properties
-from kenosis_rewrite.fuzz_configs import plain_quant_config, quantize_or_skip
-from kenosis_rewrite.fuzz_models import N_CALIBRATION, random_float_model
-from kenosis_rewrite.fuzz_running import min_cosine, run_model
+from kenosis_rewrite.testing import fuzz_properties
+from kenosis_rewrite.testing.fuzz_configs import plain_quant_config, quantize_or_skip
+from kenosis_rewrite.testing.fuzz_models import N_CALIBRATION, random_float_model
+from kenosis_rewrite.testing.fuzz_running import min_cosine, run_model
 
 
 def noise_change_db(seed: int) -> float | None:

@@ -16,7 +16,9 @@ import time
 import onnx
 
 import kenosis_rewrite
-from kenosis_rewrite import _timing, fidelity, zoo
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite import zoo
 
 
 def _row(name: str, calibration: int, seconds: float) -> list[str]:
@@ -34,9 +36,9 @@ def _row(name: str, calibration: int, seconds: float) -> list[str]:
     scores = fidelity.compare_to_float(float_model, variants, held_out)
     speed = {}
     for threads in (1, 2):
-        sessions = {"fp32": _timing.session(float_model.SerializeToString(), threads=threads)}
-        sessions.update({k: _timing.session(m.SerializeToString(), threads=threads) for k, m in variants.items()})
-        medians = _timing.interleaved_medians(sessions, feeds[0], seconds=seconds)
+        sessions = {"fp32": interleaved_timing.session(float_model.SerializeToString(), threads=threads)}
+        sessions.update({k: interleaved_timing.session(m.SerializeToString(), threads=threads) for k, m in variants.items()})
+        medians = interleaved_timing.interleaved_medians(sessions, feeds[0], seconds=seconds)
         speed[threads] = {k: medians["fp32"] / v for k, v in medians.items()}
     rows = []
     for label, model in variants.items():
@@ -52,7 +54,7 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
-    print(f"host: {_timing.cpu_description()}")
+    print(f"host: {interleaved_timing.cpu_description()}")
     print("| model | variant | integer MACs | cosine (held-out photos) | x FP32, 1 thread | x FP32, 2 threads | wall s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in args.models:

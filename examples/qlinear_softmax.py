@@ -14,7 +14,7 @@ Each model reads a uint8 tensor and writes a uint8 tensor (the Softmax's calibra
   Squeeze, Unsqueeze, Slice and MaxPool (and the fusion follows), not through Flatten;
 * ``softmax``: a float Softmax on its own (float in, float out), for reference.
 
-Interleaved medians (``kenosis_rewrite._timing``), microseconds per run.
+Interleaved medians (``kenosis_rewrite.core.interleaved_timing``), microseconds per run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite import _testing, _timing
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import interleaved_timing
 
 # (label, shape the Softmax reads, its axis); "YOLOv8 DFL": x[1,64,N] -> Reshape[1,4,16,N] -> Transpose(0,2,1,3)
 # -> Softmax(axis=1), as Ultralytics exports it (N = 2100 anchors at 320x320, 8400 at 640x640). Here the
@@ -96,12 +97,12 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     args = parser.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")]
-    print(f"onnxruntime CPU, {_timing.cpu_description()}; microseconds per run (median)")
+    print(f"onnxruntime CPU, {interleaved_timing.cpu_description()}; microseconds per run (median)")
     print("| Softmax input | axis | threads | fused (QLinearSoftmax) | float (DQ, Softmax, Q) | float/fused | Softmax alone |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for label, shape, axis in SHAPES:
         models = {name: _model(label, name, shape, axis) for name in ("fused", "float", "softmax")}
-        ran = {name: _testing.ort_optimized_op_types(model) for name, model in models.items()}
+        ran = {name: model_checks.ort_optimized_op_types(model) for name, model in models.items()}
         assert ran["fused"]["QLinearSoftmax"] == 1, ran["fused"]
         assert "QLinearSoftmax" not in ran["float"] and ran["float"]["Softmax"] == 1, ran["float"]
         rng = np.random.default_rng(0)
@@ -109,16 +110,16 @@ def main() -> None:
         codes = rng.integers(0, 256, in_shape).astype(np.uint8)
         feeds = {"fused": {"x": codes}, "float": {"x": codes},
                  "softmax": {"x": ((codes.astype(np.float32) - ZERO_IN) * SCALE_IN)}}
-        fused_out = _testing.session(models["fused"]).run(None, feeds["fused"])[0]
-        float_out = _testing.session(models["float"]).run(None, feeds["float"])[0]
+        fused_out = model_checks.session(models["fused"]).run(None, feeds["fused"])[0]
+        float_out = model_checks.session(models["float"]).run(None, feeds["float"])[0]
         differ = float(np.mean(fused_out != float_out))
         worst = int(np.abs(fused_out.astype(np.int32) - float_out).max())
         for threads in threads_list:
-            sessions = {name: _timing.session(model.SerializeToString(), threads) for name, model in models.items()}
+            sessions = {name: interleaved_timing.session(model.SerializeToString(), threads) for name, model in models.items()}
             # one feed for all: the float model's input is float, so time it in its own interleaving round
-            pair = _timing.interleaved_medians({k: sessions[k] for k in ("fused", "float")}, feeds["fused"],
+            pair = interleaved_timing.interleaved_medians({k: sessions[k] for k in ("fused", "float")}, feeds["fused"],
                                                seconds=args.seconds)
-            alone = _timing.interleaved_medians({"softmax": sessions["softmax"]}, feeds["softmax"], seconds=args.seconds / 2)
+            alone = interleaved_timing.interleaved_medians({"softmax": sessions["softmax"]}, feeds["softmax"], seconds=args.seconds / 2)
             us = {name: value * 1e6 for name, value in {**pair, **alone}.items()}
             print(f"| {label} {shape} | {axis} | {threads} | {us['fused']:.1f} | {us['float']:.1f} "
                   f"| {us['float'] / us['fused']:.2f} | {us['softmax']:.1f} |"

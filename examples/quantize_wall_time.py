@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     if args.code:
         sys.path.insert(0, os.path.abspath(args.code))
     kenosis_rewrite = importlib.import_module("kenosis_rewrite")
-    peers, zoo = importlib.import_module("kenosis_rewrite.peers"), importlib.import_module("kenosis_rewrite.zoo")
+    peers, zoo = importlib.import_module("kenosis_rewrite.benchmark.peers"), importlib.import_module("kenosis_rewrite.zoo")
     if args.code and not kenosis_rewrite.__file__.startswith(os.path.abspath(args.code)):
         parser.error(f"kenosis_rewrite came from {kenosis_rewrite.__file__}, not {args.code}")
     scenes = zoo.load_photo_set("scenes")[:16]

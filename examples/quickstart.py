@@ -16,7 +16,9 @@ import sys
 import onnxruntime as ort
 
 import kenosis_rewrite
-from kenosis_rewrite import bench, ort_quantize, zoo
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite import zoo
 
 
 def _outputs(model, feeds):

@@ -10,7 +10,7 @@ Each model is one block on x[1, S, H] (and a residual r of the same shape):
 * ``Add(bias)`` vs ``Sum(bias)``: a bias add on its own (what ``matmul-bias-as-sum`` costs where it
   applies).
 
-Interleaved medians (``kenosis_rewrite._timing``), microseconds per run, 1 and 2 threads.
+Interleaved medians (``kenosis_rewrite.core.interleaved_timing``), microseconds per run, 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite import _testing, _timing
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import interleaved_timing
 
 
 def _block(op: str, seq: int, hidden: int, layer_norm: bool) -> onnx.ModelProto:
@@ -45,23 +46,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0.5)
     args = parser.parse_args()
-    print(f"onnxruntime CPU, {_timing.cpu_description()}; microseconds per run (median)")
+    print(f"onnxruntime CPU, {interleaved_timing.cpu_description()}; microseconds per run (median)")
     print("| shape | threads | Add -> LN (ORT runs) | Sum -> LN | Add(bias) | Sum(bias) |")
     print("|---|---:|---|---:|---:|---:|")
     for hidden in (384, 768):
         for seq in (8, 128, 512):
             models = {"add_ln": _block("Add", seq, hidden, True), "sum_ln": _block("Sum", seq, hidden, True),
                       "add": _block("Add", seq, hidden, False), "sum": _block("Sum", seq, hidden, False)}
-            fused = "SkipLayerNormalization" in _testing.ort_optimized_op_types(models["add_ln"])
+            fused = "SkipLayerNormalization" in model_checks.ort_optimized_op_types(models["add_ln"])
             rng = np.random.default_rng(1)
             feed = {"x": rng.standard_normal((1, seq, hidden)).astype(np.float32),
                     "r": rng.standard_normal((1, seq, hidden)).astype(np.float32)}
             for threads in (1, 2):
                 medians = {}
                 for pair in (("add_ln", "sum_ln"), ("add", "sum")):
-                    sessions = {name: _timing.session(models[name].SerializeToString(), threads) for name in pair}
+                    sessions = {name: interleaved_timing.session(models[name].SerializeToString(), threads) for name in pair}
                     wanted = feed if pair[0] == "add_ln" else {"x": feed["x"]}
-                    medians.update(_timing.interleaved_medians(sessions, wanted, seconds=args.seconds))
+                    medians.update(interleaved_timing.interleaved_medians(sessions, wanted, seconds=args.seconds))
                 us = {name: f"{value * 1e6:.1f}" for name, value in medians.items()}
                 print(f"| [1,{seq},{hidden}] | {threads} | {us['add_ln']} ({'SkipLayerNormalization' if fused else 'unfused'}) "
                       f"| {us['sum_ln']} | {us['add']} | {us['sum']} |")

@@ -21,8 +21,11 @@ import sys
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite import _qdq, bench, profiler, sensitivity
-from kenosis_rewrite.passes.dequantize import dequantize_constants, remove_qdq_pair
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.diagnosis import profiler
+from kenosis_rewrite.accuracy import sensitivity
+from kenosis_rewrite.graph.dequantize import dequantize_constants, remove_qdq_pair
 
 MAX_COLUMNS = 27  # 3 channels x 3 x 3
 
@@ -31,9 +34,9 @@ def _stem(model: ir.Model) -> ir.Node | None:
     inputs = {value.name for value in model.graph.inputs}
     for node in model.graph:
         dq = node.inputs[0].producer() if node.op_type == "Conv" else None
-        q = dq.inputs[0].producer() if _qdq.is_dequantize(dq) else None
+        q = dq.inputs[0].producer() if qdq_params.is_dequantize(dq) else None
         weights = node.inputs[1].producer() if q is not None else None
-        if not (_qdq.is_quantize(q) and _qdq.is_dequantize(weights)):
+        if not (qdq_params.is_quantize(q) and qdq_params.is_dequantize(weights)):
             continue
         shape = weights.inputs[0].const_value.shape
         source = q.inputs[0]
@@ -50,7 +53,7 @@ def _float_input_quantized_output(proto: onnx.ModelProto) -> onnx.ModelProto | N
     stem = _stem(model)
     if stem is None:
         return None
-    names = _qdq.NameAllocator(model.graph)
+    names = qdq_params.NameAllocator(model.graph)
     dequantize_constants(stem, model.graph, names=names)
     dq = stem.inputs[0].producer()
     q = dq.inputs[0].producer()

@@ -7,7 +7,7 @@ Each model is calibrated on the first ``--calibration`` zoo scenes and evaluated
 photos of objects (none seen in calibration), as ``kenosis-rewrite bench --photos large`` does.
 Variants: quantize(), fix(quantize_static u8s8 per-channel; per-tensor below opset 13) and each
 peer's output as it gives it. Per variant: the worst output's cosine against FP32 and the model's task score
-(:mod:`kenosis_rewrite.task_metrics`: its outputs decoded as its package decodes them, against FP32's
+(:mod:`kenosis_rewrite.zoo.task_metrics`: its outputs decoded as its package decodes them, against FP32's
 decoding), with the number of evaluated images the task score counts (those where FP32 or the
 variant finds anything). No timing: ``bench`` measures speed. Peers run in their own venvs
 (``kenosis-rewrite peers install inc``); one that is not installed is left out with its reason.
@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 
 import kenosis_rewrite
-from kenosis_rewrite import fidelity, ort_quantize, peers, task_metrics, zoo
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.benchmark import peers
+from kenosis_rewrite.zoo import task_metrics
+from kenosis_rewrite import zoo
 from kenosis_rewrite.errors import InvalidModelError, one_line
 
 

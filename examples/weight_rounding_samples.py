@@ -16,8 +16,10 @@ import warnings
 import numpy as np
 
 import kenosis_rewrite
-from kenosis_rewrite import fidelity, weight_rounding, zoo
-from kenosis_rewrite.fuzz_running import run_model
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.accuracy import weight_rounding
+from kenosis_rewrite import zoo
+from kenosis_rewrite.testing.fuzz_running import run_model
 
 
 def mean_cosine(reference, outputs) -> float:

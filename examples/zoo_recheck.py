@@ -17,7 +17,7 @@ import argparse
 import statistics
 import sys
 
-from kenosis_rewrite import bench
+from kenosis_rewrite.benchmark import bench
 
 OURS = "quantize()"
 

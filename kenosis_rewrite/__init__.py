@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from kenosis_rewrite._io import save
+from kenosis_rewrite.core.model_io import save
 from kenosis_rewrite.errors import (
     AlreadyQuantizedError,
     ControlFlowError,
@@ -28,12 +28,12 @@ from kenosis_rewrite.errors import (
     UnsupportedValueTypeError,
     ZooError,
 )
-from kenosis_rewrite.explain import FusionReport, explain
-from kenosis_rewrite.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
-from kenosis_rewrite.canonical import PrepareFailedError, prepare
-from kenosis_rewrite.quantize import quantize
-from kenosis_rewrite.report import FixReport
-from kenosis_rewrite.weights import quantize_weights
+from kenosis_rewrite.diagnosis.explain import FusionReport, explain
+from kenosis_rewrite.placement.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
+from kenosis_rewrite.canonicalization.pipeline import PrepareFailedError, prepare
+from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.weight_only.weights import quantize_weights
 
 __version__ = "0.1.0"
 
@@ -44,3 +44,7 @@ __all__ = [
     "QOperatorFormatError", "RewriteError", "RuntimeMeasurementError", "UnsupportedOpsetError", "UnsupportedValueTypeError",
     "UnsupportedTargetError", "ZooError",
 ]
+
+from kenosis_rewrite._submodules import submodule_getattr  # noqa: E402 - after the public names
+
+__getattr__ = submodule_getattr(__name__)

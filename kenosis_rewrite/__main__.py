@@ -1,5 +1,5 @@
 import sys
 
-from kenosis_rewrite.cli import main
+from kenosis_rewrite.cli.main import main
 
 sys.exit(main())

@@ -16,7 +16,9 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite import _timing, bench, toy_models
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
 from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
@@ -99,7 +101,7 @@ def test_fidelity_refuses_mismatched_inputs():
 
 
 def test_turn_plan_gives_every_variant_its_runs_and_alternates_order():
-    plan = _timing.turn_plan({"a": 0.001, "b": 0.002, "c": 0.1}, {"a": 600, "b": 300, "c": 12},
+    plan = interleaved_timing.turn_plan({"a": 0.001, "b": 0.002, "c": 0.1}, {"a": 600, "b": 300, "c": 12},
                              turn_seconds=0.2, settle_seconds=0.03)
     for name, runs in {"a": 600, "b": 300, "c": 12}.items():
         assert sum(turn.timed for turn in plan if turn.name == name) == runs
@@ -111,7 +113,7 @@ def test_turn_plan_gives_every_variant_its_runs_and_alternates_order():
 
 
 def test_turn_plan_for_one_variant_needs_no_settling():
-    plan = _timing.turn_plan({"only": 0.01}, {"only": 50})
+    plan = interleaved_timing.turn_plan({"only": 0.01}, {"only": 50})
     assert sum(turn.timed for turn in plan) == 50 and all(turn.settle == 0 for turn in plan)
 
 
@@ -256,8 +258,8 @@ def test_run_bench_with_stand_in_fix_and_failures_recorded(monkeypatch, toy_path
     def explain(model, threads=1):
         raise RuntimeError("explain unavailable")
 
-    monkeypatch.setitem(sys.modules, "kenosis_rewrite.pipeline", types.SimpleNamespace(fix=fix))
-    monkeypatch.setitem(sys.modules, "kenosis_rewrite.explain", types.SimpleNamespace(explain=explain))
+    monkeypatch.setitem(sys.modules, "kenosis_rewrite.placement.pipeline", types.SimpleNamespace(fix=fix))
+    monkeypatch.setitem(sys.modules, "kenosis_rewrite.diagnosis.explain", types.SimpleNamespace(explain=explain))
     result = bench.run_bench(toy_path, configs=("default", "u8s8"), runs=3, warmup=1, calibration_samples=2)
     assert result.variant("u8s8+fix").error == "RuntimeError: u8 not supported by this stand-in"
     assert result.variant("u8s8+fix").latency is None
@@ -318,7 +320,7 @@ def test_bench_main_reports_refusals_with_exit_codes(tmp_path, capsys):
 def test_run_bench_scores_each_variant_on_the_models_task(monkeypatch, toy_path):
     """A model with a task metric (the zoo's detectors and recognisers) gets its score per variant,
     FP32's own 1.0, and the report names the metric."""
-    from kenosis_rewrite import task_metrics
+    from kenosis_rewrite.zoo import task_metrics
 
     plain = bench._path_inputs
     metric = task_metrics.map_iou(0, 0.5, name="positive-map IoU", description="output > 0.5, IoU with FP32's")
@@ -359,7 +361,8 @@ def test_run_bench_on_a_real_detector_scores_its_task(zoo_cache, photos):
 def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
     import onnx
 
-    from kenosis_rewrite import bench, toy_models
+    from kenosis_rewrite.benchmark import bench
+    from kenosis_rewrite.testing import toy_models
 
     monkeypatch.setenv("KENOSIS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "toy.onnx"
@@ -374,7 +377,8 @@ def test_bench_includes_quantize_and_latency_variants(tmp_path, monkeypatch):
 
 
 def test_min_seconds_adds_runs_for_fast_models():
-    from kenosis_rewrite import bench, toy_models
+    from kenosis_rewrite.benchmark import bench
+    from kenosis_rewrite.testing import toy_models
 
     model = toy_models.build("conv_relu")
     feed = toy_models.random_feeds(model, 1)[0]
@@ -405,8 +409,8 @@ def test_bench_main_exits_3_when_a_variant_failed_and_keeps_the_causes(monkeypat
     def explain(model, threads=1):
         raise RuntimeError("explain unavailable")
 
-    monkeypatch.setitem(sys.modules, "kenosis_rewrite.pipeline", types.SimpleNamespace(fix=fix))
-    monkeypatch.setitem(sys.modules, "kenosis_rewrite.explain", types.SimpleNamespace(explain=explain))
+    monkeypatch.setitem(sys.modules, "kenosis_rewrite.placement.pipeline", types.SimpleNamespace(fix=fix))
+    monkeypatch.setitem(sys.modules, "kenosis_rewrite.diagnosis.explain", types.SimpleNamespace(explain=explain))
     code = bench.bench_main([toy_path, "--configs", "u8s8", "--runs", "3", "--warmup", "1", "--min-seconds", "0",
                              "--calibration-samples", "2"])
     assert code == 3

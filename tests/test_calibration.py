@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, quantize_static
 
-from kenosis_rewrite import toy_models
+from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.calibration import (
     CalibrationError,
     PercentileTails,
@@ -28,7 +28,7 @@ from kenosis_rewrite.calibration import (
     range_from_histogram,
     synthetic_feeds,
 )
-from kenosis_rewrite.fidelity import compare_to_float
+from kenosis_rewrite.core.fidelity import compare_to_float
 
 
 def _session_outputs(model: onnx.ModelProto, feeds: list[dict]) -> dict[str, list[np.ndarray]]:
@@ -403,7 +403,7 @@ def test_synthetic_feeds_nhwc_image_with_in_graph_normalisation_gets_raw_pixels(
 
 def test_self_calibration_finds_an_image_size_the_model_runs_at():
     from kenosis_rewrite.calibration import runnable_synthetic_feeds
-    from kenosis_rewrite.quantize import quantize
+    from kenosis_rewrite.quantization.pipeline import quantize
 
     model = toy_models.build_export("text_line_recognizer")
     (spec,) = infer_inputs(model)

@@ -9,7 +9,10 @@ import sys
 import numpy as np
 import onnx
 
-from kenosis_rewrite import _testing, cli, ort_quantize, toy_models
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.cli import main as cli
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.testing import toy_models
 
 
 def _save_quantized(tmp_path, config="sym"):
@@ -29,7 +32,7 @@ def test_fix_writes_a_valid_faster_model_and_a_report(tmp_path, capsys):
     assert code == cli.EXIT_OK
     fixed = onnx.load(target)
     onnx.checker.check_model(fixed, full_check=True)
-    assert _testing.ort_optimized_op_types(fixed)["Relu"] == 0
+    assert model_checks.ort_optimized_op_types(fixed)["Relu"] == 0
     printed = capsys.readouterr()
     assert "fold-relu-island: 1 change(s)" in printed.out and "fidelity vs FP32" in printed.out
     assert "wrote" in printed.err
@@ -85,7 +88,7 @@ def test_quantize_command_self_calibrates_and_reports(tmp_path, capsys):
                      "--fidelity", "0.9999", "--report"]) == cli.EXIT_OK
     model = onnx.load(target)
     onnx.checker.check_model(model, full_check=True)
-    assert _testing.ort_optimized_op_types(model)["QLinearConv"] >= 1
+    assert model_checks.ort_optimized_op_types(model)["QLinearConv"] >= 1
     out = capsys.readouterr().out
     assert "calibration: synthetic (8 samples)" in out and "sensitivity:" in out
 
@@ -98,7 +101,7 @@ def test_fix_input_shape_pins_dims_and_folds_the_padding(tmp_path, capsys):
     assert cli.main(["fix", str(source), str(target), "--input-shape", f"x=1,{toy_models.C},24,20", "--report"]) == cli.EXIT_OK
     pinned = onnx.load(target)
     assert [d.dim_value for d in pinned.graph.input[0].type.tensor_type.shape.dim] == [1, toy_models.C, 24, 20]
-    assert _testing.op_types(pinned)["Shape"] == 0
+    assert model_checks.op_types(pinned)["Shape"] == 0
     assert "pin-input-shapes" in capsys.readouterr().out
     assert cli.main(["fix", str(source), str(target), "--input-shape", "x=1,a"]) == cli.EXIT_REFUSED
     assert "expected NAME=D,D" in capsys.readouterr().err

@@ -18,7 +18,13 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
 import kenosis_rewrite
-from kenosis_rewrite import _qdq, _testing, fidelity, fuzz, guard, protection, value_range
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.testing import fuzz
+from kenosis_rewrite.placement import guard
+from kenosis_rewrite.accuracy import protection
+from kenosis_rewrite.graph import value_range
 
 logging.getLogger().setLevel(logging.ERROR)
 
@@ -66,13 +72,13 @@ def test_pass_through_alignment_keeps_a_relu_quantize_static_removed():
     model, feed = _reshape_relu()
     qdq = _quantize_static(model, [feed], activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                            extra_options={"ForceQuantizeNoInputCheck": True})
-    assert "Relu" not in _testing.op_types(qdq), "quantize_static is expected to delete the Relu"
+    assert "Relu" not in model_checks.op_types(qdq), "quantize_static is expected to delete the Relu"
     fixed, report = kenosis_rewrite.fix(qdq, return_report=True, verify=False)
     assert not report.change_counts().get("align-pass-through-qparams")
     assert any("clamps" in r.reason for r in report.refusals if r.rule == "align-pass-through-qparams")
-    out = _testing.outputs(fixed, feed, optimized=False)[0]
+    out = model_checks.outputs(fixed, feed, optimized=False)[0]
     assert out.min() >= 0.0
-    np.testing.assert_array_equal(out, _testing.outputs(qdq, feed, optimized=False)[0])
+    np.testing.assert_array_equal(out, model_checks.outputs(qdq, feed, optimized=False)[0])
 
 
 def test_batchnorm_is_not_folded_through_a_quantizer_that_stands_for_a_relu():
@@ -100,9 +106,9 @@ def test_batchnorm_is_not_folded_through_a_quantizer_that_stands_for_a_relu():
     for target in kenosis_rewrite.TARGETS:
         fixed, report = kenosis_rewrite.fix(qdq, target=target, return_report=True, verify=False)
         assert "fold-batchnorm-into-conv" not in report.change_counts(), target
-        assert "BatchNormalization" in _testing.op_types(fixed)
-        reference = _testing.outputs(model, feeds[0])[0]
-        assert _cos(reference, _testing.outputs(fixed, feeds[0])[0]) >= _cos(reference, _testing.outputs(qdq, feeds[0])[0]) - 0.01
+        assert "BatchNormalization" in model_checks.op_types(fixed)
+        reference = model_checks.outputs(model, feeds[0])[0]
+        assert _cos(reference, model_checks.outputs(fixed, feeds[0])[0]) >= _cos(reference, model_checks.outputs(qdq, feeds[0])[0]) - 0.01
 
 
 def _conv_clip_batchnorm_conv() -> tuple[onnx.ModelProto, list[dict]]:
@@ -138,17 +144,17 @@ def test_quantize_keeps_a_clip_with_a_negative_bound_that_quantize_static_delete
     model, feeds = _conv_clip_batchnorm_conv()
     unclipped = onnx.ModelProto.FromString(model.SerializeToString())
     unclipped.graph.node[1].input[1:] = ["", ""]  # Clip without bounds: the clamp matters on these feeds
-    assert _cos(_testing.outputs(model, feeds[4])[0], _testing.outputs(unclipped, feeds[4])[0]) < 0.99
+    assert _cos(model_checks.outputs(model, feeds[4])[0], model_checks.outputs(unclipped, feeds[4])[0]) < 0.99
     quantized, report = kenosis_rewrite.quantize(model, calibration=feeds[:4], canonicalize=False, return_report=True)
     assert not report.change_counts().get("fold-batchnorm-into-conv")
     assert any("Relu/Clip quantize_static removed" in r.reason for r in report.refusals
                if r.rule == "fold-batchnorm-into-conv")
-    assert "BatchNormalization" in _testing.op_types(quantized)
+    assert "BatchNormalization" in model_checks.op_types(quantized)
     assert not any(p.key == value_range.DELETED_ACTIVATION_KEY for n in quantized.graph.node for p in n.metadata_props)
     plain = _quantize_static(model, feeds[:4], activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
-    reference = _testing.outputs(model, feeds[4])[0]
-    ours = _cos(reference, _testing.outputs(quantized, feeds[4])[0])
-    assert ours >= _cos(reference, _testing.outputs(plain, feeds[4])[0]) - 0.002
+    reference = model_checks.outputs(model, feeds[4])[0]
+    ours = _cos(reference, model_checks.outputs(quantized, feeds[4])[0])
+    assert ours >= _cos(reference, model_checks.outputs(plain, feeds[4])[0]) - 0.002
     assert ours > 0.99
 
 
@@ -162,14 +168,14 @@ def test_fix_keeps_a_deleted_clip_whose_quantizer_has_round_bounds():
         qdq = _quantize_static(model, feeds[:4], activation_type=activation_type, weight_type=QuantType.QInt8,
                                per_channel=False)
         clip_q = next(node for node in ir.serde.deserialize_model(qdq).graph
-                      if _qdq.is_quantize(node) and node.inputs[0].name == "clipped")
-        assert value_range.round_range_bounds(_qdq.quant_params(clip_q)) == (-1.0, 1.0)
+                      if qdq_params.is_quantize(node) and node.inputs[0].name == "clipped")
+        assert value_range.round_range_bounds(qdq_params.quant_params(clip_q)) == (-1.0, 1.0)
         assert value_range.implied_clamp(clip_q) is not None
         for target in ("ort-cpu", "ort-cpu-arm"):
             fixed, report = kenosis_rewrite.fix(qdq, target=target, verify=False, return_report=True)
             assert not report.change_counts().get("fold-batchnorm-into-conv"), (activation_type, target)
-            reference = _testing.outputs(model, feeds[4])[0]
-            assert _cos(reference, _testing.outputs(fixed, feeds[4])[0]) >= _cos(reference, _testing.outputs(qdq, feeds[4])[0]) - 0.002
+            reference = model_checks.outputs(model, feeds[4])[0]
+            assert _cos(reference, model_checks.outputs(fixed, feeds[4])[0]) >= _cos(reference, model_checks.outputs(qdq, feeds[4])[0]) - 0.002
 
 
 def test_round_range_bounds_are_read_only_from_grids_of_round_ranges():
@@ -177,7 +183,7 @@ def test_round_range_bounds_are_read_only_from_grids_of_round_ranges():
     M): the zero point at qmin says so already) give none; grids of round two-sided ranges do, with
     the zero point as either rounding of a half puts it."""
     def params(scale, zero_point, dtype):
-        return _qdq.QuantParams(np.array(scale, np.float32), np.array(zero_point), dtype, 1, 0)
+        return qdq_params.QuantParams(np.array(scale, np.float32), np.array(zero_point), dtype, 1, 0)
 
     for scale, zero_point, dtype in ((0.0263, 3, ir.DataType.INT8), (6.0 / 255, -128, ir.DataType.INT8),
                                      (0.01234, 0, ir.DataType.INT8), (2.0 / 255, 100, ir.DataType.UINT8)):
@@ -203,11 +209,11 @@ def test_output_protection_restores_the_clip_quantize_static_removed():
     quantized = kenosis_rewrite.quantize(model, calibration=feeds[:4])
     clips = [n for n in quantized.graph.node if n.op_type == "Clip"]
     assert len(clips) == 1
-    bounds = [_testing.initializer(quantized, name) for name in clips[0].input[1:]]
+    bounds = [model_checks.initializer(quantized, name) for name in clips[0].input[1:]]
     assert [float(b) for b in bounds] == [-1.0, 1.0]
-    out = _testing.outputs(quantized, feeds[4])[0]
+    out = model_checks.outputs(quantized, feeds[4])[0]
     assert out.min() >= -1.0 and out.max() <= 1.0
-    assert _cos(_testing.outputs(model, feeds[4])[0], out) > 0.999
+    assert _cos(model_checks.outputs(model, feeds[4])[0], out) > 0.999
 
 
 def test_output_protection_knows_a_deleted_relu_by_the_quantized_graph_not_a_rewrite_reusing_its_name():
@@ -216,13 +222,13 @@ def test_output_protection_knows_a_deleted_relu_by_the_quantized_graph_not_a_rew
     model, feed = _reshape_relu()
     model.graph.node[1].name = "node_Relu_0"
     qdq = _quantize_static(model, [feed], extra_options={"ForceQuantizeNoInputCheck": True})
-    assert "Relu" not in _testing.op_types(qdq)
+    assert "Relu" not in model_checks.op_types(qdq)
     float_graph = ir.serde.deserialize_model(model).graph
     for quantized_nodes in (None, [node.name for node in qdq.graph.node]):
         quantized = ir.serde.deserialize_model(qdq)
         quantized.graph.append(ir.node("Relu", [quantized.graph.inputs[0]], name="node_Relu_0"))  # another Relu, same name
         protection.OutputProtectionPass(float_graph=float_graph, quantized_nodes=quantized_nodes)(quantized)
-        out = _testing.outputs(ir.serde.serialize_model(quantized), feed, optimized=False)[0]
+        out = model_checks.outputs(ir.serde.serialize_model(quantized), feed, optimized=False)[0]
         assert (out.min() >= 0.0) == (quantized_nodes is not None)
 
 
@@ -230,7 +236,7 @@ def test_a_protected_output_that_a_gemm_also_reads_stays_quantized_for_the_gemm(
     """Fuzz seed 3601662: HardSigmoid's output is a graph output and the next Gemm's input. Output
     protection gives the output the float value and leaves the Gemm reading the quantized one, so
     ORT still runs that Gemm as QGemm (it ran float, plain quantize_static's ran integer)."""
-    from kenosis_rewrite.fuzz_running import float_weighted_ops  # noqa: PLC0415
+    from kenosis_rewrite.testing.fuzz_running import float_weighted_ops  # noqa: PLC0415
 
     rng = np.random.default_rng(3)
     model = _model(
@@ -251,12 +257,12 @@ def test_a_protected_output_that_a_gemm_also_reads_stays_quantized_for_the_gemm(
     quantized, report = kenosis_rewrite.quantize(model, calibration=feeds[:8], return_report=True)
     assert report.change_counts().get("protect-model-outputs") == 2
     assert float_weighted_ops(quantized.SerializeToString()) == []
-    gemm2 = _testing.node_by_name(quantized, "gemm2")
-    assert _testing.producer_of(quantized, gemm2.input[0]).op_type == "DequantizeLinear"
-    want, got = _testing.outputs(model, feeds[8]), _testing.outputs(quantized, feeds[8])
+    gemm2 = model_checks.node_by_name(quantized, "gemm2")
+    assert model_checks.producer_of(quantized, gemm2.input[0]).op_type == "DequantizeLinear"
+    want, got = model_checks.outputs(model, feeds[8]), model_checks.outputs(quantized, feeds[8])
     # the output h is not on the grid of the quantizer the Gemm reads it through
-    quantizer = _testing.producer_of(quantized, _testing.producer_of(quantized, gemm2.input[0]).input[0])
-    scale, zero_point = (float(_testing.initializer(quantized, name)) for name in quantizer.input[1:])
+    quantizer = model_checks.producer_of(quantized, model_checks.producer_of(quantized, gemm2.input[0]).input[0])
+    scale, zero_point = (float(model_checks.initializer(quantized, name)) for name in quantizer.input[1:])
     steps = got[1] / scale + zero_point
     assert not np.allclose(steps, np.rint(steps), atol=1e-3)
     assert _cos(want[1], got[1]) > 0.999 and _cos(want[0], got[0]) > 0.99
@@ -274,9 +280,9 @@ def test_relu_then_clip_at_the_output_comes_back_composed():
          numpy_helper.from_array(np.array(-1, np.float32), "lo"), numpy_helper.from_array(np.array(1, np.float32), "hi")],
     )
     feeds = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(5)]
-    out = _testing.outputs(kenosis_rewrite.quantize(model, calibration=feeds[:4]), feeds[4])[0]
+    out = model_checks.outputs(kenosis_rewrite.quantize(model, calibration=feeds[:4]), feeds[4])[0]
     assert out.min() >= 0.0 and out.max() <= 1.0
-    assert _cos(_testing.outputs(model, feeds[4])[0], out) > 0.999
+    assert _cos(model_checks.outputs(model, feeds[4])[0], out) > 0.999
 
 
 def _add_with_constant_node_params(sixteen_bit: bool) -> onnx.ModelProto:
@@ -305,13 +311,13 @@ def test_constant_node_parameters_are_read_with_their_type(sixteen_bit):
     model = _add_with_constant_node_params(sixteen_bit)
     graph = ir.serde.deserialize_model(model).graph
     q = next(node for node in graph if node.name == "qa")
-    assert _qdq.quant_params(q).dtype == (ir.DataType.UINT16 if sixteen_bit else ir.DataType.INT8)
+    assert qdq_params.quant_params(q).dtype == (ir.DataType.UINT16 if sixteen_bit else ir.DataType.INT8)
     feed = {"x": np.linspace(-1, 1, 4, dtype=np.float32).reshape(1, 4)}
     for target in kenosis_rewrite.TARGETS:
         fixed = kenosis_rewrite.fix(model, target=target)
         onnx.checker.check_model(fixed, full_check=True)
-        out = _testing.outputs(fixed, feed)[0]
-        assert _cos(_testing.outputs(model, feed)[0], out) > 0.999, target
+        out = model_checks.outputs(fixed, feed)[0]
+        assert _cos(model_checks.outputs(model, feed)[0], out) > 0.999, target
 
 
 @pytest.mark.parametrize("activation_type", [QuantType.QUInt8, QuantType.QUInt16])
@@ -330,8 +336,8 @@ def test_contrib_domain_qdq_is_moved_to_the_default_domain_exactly(activation_ty
     fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
     assert report.change_counts()["contrib-qdq-to-standard"] > 0
     assert {n.domain for n in fixed.graph.node if n.op_type.endswith("Linear")} == {""}
-    np.testing.assert_array_equal(_testing.outputs(fixed, feeds[0], optimized=False)[0],
-                                  _testing.outputs(qdq, feeds[0], optimized=False)[0])
+    np.testing.assert_array_equal(model_checks.outputs(fixed, feeds[0], optimized=False)[0],
+                                  model_checks.outputs(qdq, feeds[0], optimized=False)[0])
 
 
 def test_the_guard_reads_contrib_domain_qdq_as_the_standard_ops():
@@ -374,7 +380,7 @@ def test_contrib_16_bit_qdq_below_opset_21_stays_with_a_reason():
     fixed, report = kenosis_rewrite.fix(q, return_report=True)
     assert any("opset 21" in r.reason for r in report.refusals if r.rule == "contrib-qdq-to-standard")
     feed = {"x": np.linspace(-1, 1, 4, dtype=np.float32).reshape(1, 4)}
-    np.testing.assert_array_equal(_testing.outputs(fixed, feed)[0], _testing.outputs(q, feed)[0])
+    np.testing.assert_array_equal(model_checks.outputs(fixed, feed)[0], model_checks.outputs(q, feed)[0])
 
 
 def test_the_guard_catches_a_rewrite_that_drops_a_clamp():
@@ -406,7 +412,7 @@ def test_implied_clamp_reads_deleted_activations_only():
     assert value_range.implied_clamp(q) == value_range.quantizer_clamp(q) is not None
 
 
-# Seeds of the property fuzz (``python -m kenosis_rewrite.fuzz``) that failed before this change,
+# Seeds of the property fuzz (``python -m kenosis_rewrite.testing.fuzz``) that failed before this change,
 # one per defect: non-idempotent Q-backward moves, ORT refusing npu outputs (stale output_dtype,
 # QDQ propagation after DQ -> Reshape), symmetric conversion dropping a clamp, com.microsoft Q/DQ,
 # a restored clamp blocking a fusion until a second run; a weight computed at run time from
@@ -437,7 +443,8 @@ def test_quantize_seed_that_once_failed(seed):
 
 def test_explain_and_fix_on_an_ir_loaded_model_with_external_data(tmp_path):
     """explain()'s temporary copies must still find the weights file next to the caller's model."""
-    from kenosis_rewrite import ort_quantize, toy_models  # noqa: PLC0415
+    from kenosis_rewrite.core import ort_quantize  # noqa: PLC0415
+    from kenosis_rewrite.testing import toy_models
 
     float_model = toy_models.build("resnetish")
     qdq = ort_quantize.quantize_with_ort(float_model, toy_models.random_feeds(float_model, 4), "default")
@@ -455,7 +462,8 @@ def test_a_graph_out_of_topological_order_is_sorted_not_refused():
     """Quark's XINT8 output: ONNX Runtime sorts on load, the ONNX checker refuses."""
     import random  # noqa: PLC0415
 
-    from kenosis_rewrite import ort_quantize, toy_models  # noqa: PLC0415
+    from kenosis_rewrite.core import ort_quantize  # noqa: PLC0415
+    from kenosis_rewrite.testing import toy_models
 
     float_model = toy_models.build("resnetish")
     feeds = toy_models.random_feeds(float_model, 4)
@@ -470,8 +478,8 @@ def test_a_graph_out_of_topological_order_is_sorted_not_refused():
     onnx.checker.check_model(fixed, full_check=True)
     assert any("topological order" in note for note in report.notes)
     assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
-    np.testing.assert_array_equal(_testing.outputs(fixed, feeds[0], optimized=False)[0],
-                                  _testing.outputs(qdq, feeds[0], optimized=False)[0])
+    np.testing.assert_array_equal(model_checks.outputs(fixed, feeds[0], optimized=False)[0],
+                                  model_checks.outputs(qdq, feeds[0], optimized=False)[0])
 
 
 def test_the_guard_tries_other_sizes_for_dynamic_dims_its_default_does_not_run():

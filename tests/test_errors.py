@@ -8,7 +8,8 @@ import pytest
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic
 
 import kenosis_rewrite
-from kenosis_rewrite import ort_quantize, toy_models
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.testing import toy_models
 
 
 def test_missing_file(tmp_path):

@@ -12,9 +12,10 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite import ort_quantize, toy_models
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError
-from kenosis_rewrite.explain import (
+from kenosis_rewrite.diagnosis.explain import (
     R_ACTIVATION,
     R_FANOUT,
     R_GRAPH_OUTPUT,
@@ -418,8 +419,9 @@ def test_base_name_strips_ort_suffixes():
 
 
 def test_attention_products_are_explained_as_float_by_design():
-    from kenosis_rewrite import quantize, weights
-    from kenosis_rewrite.explain import R_ACTIVATION_PRODUCT
+    from kenosis_rewrite import quantize
+    from kenosis_rewrite.weight_only import weights
+    from kenosis_rewrite.diagnosis.explain import R_ACTIVATION_PRODUCT
 
     transformer = weights.toy_transformer(hidden=64, layers=1, heads=4, seq=16)
     rng = np.random.default_rng(0)

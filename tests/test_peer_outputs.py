@@ -9,7 +9,9 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite import _testing, explain, fidelity, fix
+from kenosis_rewrite import explain, fix
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.errors import KenosisError
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
@@ -52,7 +54,7 @@ def test_fix_accepts_the_peer_output_runs_it_in_integer_kernels_and_keeps_its_fi
     # whatever placement the peer chose (all of them but ModelOpt's small/depthwise convs)
     quantized = _quantized_weight_mac_fraction(peer)
     assert explain(fixed).integer_mac_fraction == pytest.approx(quantized), report.summary()
-    kernels = _testing.ort_optimized_op_types(fixed)
+    kernels = model_checks.ort_optimized_op_types(fixed)
     assert kernels["QLinearConv"] >= 2, kernels
     if quantized == 1.0:
         assert kernels["Conv"] == 0 and kernels["QLinearConv"] >= 4, kernels
@@ -65,12 +67,12 @@ def test_quark_xint8_is_unsorted_and_keeps_every_conv_float_until_fix():
     peer = onnx.load(FIXTURES / "mbv2ish_quark0.13_xint8.onnx")
     with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
         onnx.checker.check_model(peer)
-    assert _testing.ort_optimized_op_types(peer)["QLinearConv"] == 0
+    assert model_checks.ort_optimized_op_types(peer)["QLinearConv"] == 0
     fixed, report = fix(peer, calibration=_feeds(1), return_report=True)
     counts = report.change_counts()
     assert counts["requantize-stale-bias"] == 7 and counts["clip-zero-point-to-qmin"] == 4
     assert any("topological order" in note for note in report.notes)
-    assert _testing.ort_optimized_op_types(fixed)["QLinearConv"] == 6
+    assert model_checks.ort_optimized_op_types(fixed)["QLinearConv"] == 6
 
 
 def test_nncf_sppf_and_neck_run_integer_after_fix_without_requantizing_the_unified_concats():
@@ -79,12 +81,12 @@ def test_nncf_sppf_and_neck_run_integer_after_fix_without_requantizing_the_unifi
     MaxPools and the Concats (exact) and leaves the neck's Resize unaligned so its Concat keeps the
     shared scale: every Conv integer, no new quantizer at any Concat."""
     peer = onnx.load(FIXTURES / "sppfish_nncf3.4.onnx")
-    assert _testing.ort_optimized_op_types(peer)["QLinearConv"] == 0
+    assert model_checks.ort_optimized_op_types(peer)["QLinearConv"] == 0
     fixed, report = fix(peer, calibration=_feeds(1), return_report=True)
     counts = report.change_counts()
     assert counts["move-dq-forward"] >= 5, report.summary()  # three MaxPools and two Concats
     assert any(r.rule == "align-pass-through-qparams" and "unified" in r.reason for r in report.refusals)
-    kernels = _testing.ort_optimized_op_types(fixed)
+    kernels = model_checks.ort_optimized_op_types(fixed)
     assert kernels["QLinearConv"] == 5 and kernels["Conv"] == 0 and kernels["QLinearConcat"] == 0, kernels
 
 
@@ -96,11 +98,11 @@ def test_nncf_paddle_lcnet_layers_run_integer_after_fix_without_calibration():
     every Conv but the head (a Relu then the graph output: nothing bounds it) runs as QLinearConv."""
     peer = onnx.load(FIXTURES / "lcnetish_nncf3.4.onnx")
     float_model = onnx.load(FIXTURES / "lcnetish_fp32.onnx")
-    assert _testing.ort_optimized_op_types(peer)["QLinearConv"] == 0
+    assert model_checks.ort_optimized_op_types(peer)["QLinearConv"] == 0
     fixed, report = fix(peer, return_report=True)
     counts = report.change_counts()
     assert counts["fold-affine-into-conv"] == 15 and counts["quantize-weighted-outputs"] == 5, report.summary()
-    kernels = _testing.ort_optimized_op_types(fixed)
+    kernels = model_checks.ort_optimized_op_types(fixed)
     assert kernels["QLinearConv"] == 5 and kernels["FusedConv"] == 1, kernels  # the head: Conv + Relu in float
     scores = fidelity.compare_to_float(float_model, {"peer": peer, "fixed": fixed}, _feeds(2))
     assert scores["fixed"]["cosine"] >= scores["peer"]["cosine"] - 0.002, scores

@@ -1,4 +1,4 @@
-"""kenosis_rewrite.peers and bench --peers: the driver protocol, with stand-in peer packages
+"""kenosis_rewrite.benchmark.peers and bench --peers: the driver protocol, with stand-in peer packages
 (the real peers are never dependencies of CI; tests/test_peer_outputs.py covers their outputs)."""
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite import bench, cli, fidelity, peers, toy_models
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.cli import main as cli
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.benchmark import peers
+from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.errors import KenosisError, one_line
 
 FAKE_NNCF = '''
@@ -32,7 +36,7 @@ def quantize(model, dataset, subset_size, preset=None, model_type=None):
         raise ValueError("subset_size must cover every feed")
     if model.graph.input[0].name == "refuse_me":
         raise RuntimeError("the stand-in refuses this model")
-    from kenosis_rewrite.ort_quantize import quantize_with_ort
+    from kenosis_rewrite.core.ort_quantize import quantize_with_ort
     quantized = quantize_with_ort(model, dataset.items, "default")
     quantized.doc_string = f"preset={preset} model_type={model_type}"  # what the driver asked for
     return quantized

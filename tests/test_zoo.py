@@ -42,9 +42,9 @@ def test_registry_entry_is_consistent(model: zoo.ZooModel):
     if model.build is None:
         assert model.path.endswith(".onnx") and model.built_sha256 is None
     else:  # shipped as weights: a known builder and the built file's hash
-        from kenosis_rewrite import zoo_build
+        from kenosis_rewrite.zoo import build
 
-        assert model.build in zoo_build.BUILDERS and re.fullmatch(r"[0-9a-f]{64}", model.built_sha256)
+        assert model.build in build.BUILDERS and re.fullmatch(r"[0-9a-f]{64}", model.built_sha256)
     assert model.layout in {"NCHW", "NHWC", "NWHC"}
     channels = model.input_shape[1] if model.layout == "NCHW" else model.input_shape[-1]
     assert channels == 3 and model.input_shape[0] == 1

@@ -37,3 +37,7 @@ __all__ = [
     "InputSpec", "describe", "infer_inputs", "iter_synthetic_feeds", "natural_image", "runnable_synthetic_feeds",
     "synthetic_feeds", "StreamingReader", "calibration_reader", "image_feeds",
 ]
+
+from kenosis_rewrite._submodules import submodule_getattr  # noqa: E402 - after the public names
+
+__getattr__ = submodule_getattr(__name__)

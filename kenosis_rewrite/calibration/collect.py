@@ -26,7 +26,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite import _io, _ort, fidelity
+from kenosis_rewrite.core import model_io
+from kenosis_rewrite.core import ort_sessions
+from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.calibration.histogram import METHODS, PercentileTails, StreamingHistogram, range_from_histogram
 from kenosis_rewrite.errors import KenosisError
 
@@ -144,9 +146,9 @@ def model_hash(model: onnx.ModelProto) -> str:
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
 
-def _float_proto(model: _io.ModelLike) -> onnx.ModelProto:
-    loaded = _io.load(model, require_qdq=False)
-    return _io.to_output(_io.LoadedModel(loaded.model, "proto"))
+def _float_proto(model: model_io.ModelLike) -> onnx.ModelProto:
+    loaded = model_io.load(model, require_qdq=False)
+    return model_io.to_output(model_io.LoadedModel(loaded.model, "proto"))
 
 
 def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -159,13 +161,13 @@ _INLINE_BYTES = 1024  # initializers up to this size keep their data for shape i
 
 def _without_data(tensor: onnx.TensorProto) -> onnx.TensorProto:
     """``tensor``, its data over ``_INLINE_BYTES`` replaced by a reference to a file that does not
-    exist (as :func:`kenosis_rewrite._io.graph_only_proto` writes it): shape inference reads only its
+    exist (as :func:`kenosis_rewrite.core.model_io.graph_only_proto` writes it): shape inference reads only its
     type and dims."""
     if len(tensor.raw_data) <= _INLINE_BYTES:
         return tensor
     light = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
                              data_location=onnx.TensorProto.EXTERNAL)
-    for key, value in (("location", _io.GRAPH_ONLY_LOCATION), ("offset", "0"), ("length", str(len(tensor.raw_data)))):
+    for key, value in (("location", model_io.GRAPH_ONLY_LOCATION), ("offset", "0"), ("length", str(len(tensor.raw_data)))):
         light.external_data.add(key=key, value=value)
     return light
 
@@ -233,7 +235,7 @@ def _augmented(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     try:
-        return _ort.session(model, _ort.options(None, level="basic", spinning=False))
+        return ort_sessions.session(model, ort_sessions.options(None, level="basic", spinning=False))
     except Exception as error:  # noqa: BLE001
         raise CalibrationError(f"ONNX Runtime cannot load the model for calibration: {error}") from None
 
@@ -397,7 +399,7 @@ def _run_each(tasks: Sequence[Callable[[], None]]) -> None:
 
 
 def collect_histograms(
-    float_model: _io.ModelLike,
+    float_model: model_io.ModelLike,
     feeds: FeedSource,
     *,
     histogram: bool = True,
@@ -484,7 +486,7 @@ def _cache_file(cache: str | os.PathLike, key: str) -> Path:
 
 
 def collect_ranges(
-    float_model: _io.ModelLike,
+    float_model: model_io.ModelLike,
     feeds: FeedSource,
     method: str = "minmax",
     percentile: float = 99.99,
@@ -560,7 +562,7 @@ def collect_ranges(
     return result
 
 
-def quantize_with_ranges(float_model: _io.ModelLike, ranges: TensorRanges, *, serialised: bool = False,
+def quantize_with_ranges(float_model: model_io.ModelLike, ranges: TensorRanges, *, serialised: bool = False,
                          **quantize_static_kwargs) -> onnx.ModelProto:
     """``onnxruntime.quantization.quantize_static`` (QDQ by default) using precomputed ``ranges``.
 

@@ -44,7 +44,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from kenosis_rewrite import _io, _ort
+from kenosis_rewrite.core import model_io
+from kenosis_rewrite.core import ort_sessions
 from kenosis_rewrite.calibration.collect import CalibrationError, _float_proto, _graph_inputs
 from kenosis_rewrite.errors import one_line
 
@@ -209,7 +210,7 @@ def _conv_response(graph: _Graph, conv: onnx.NodeProto, x: np.ndarray, failures:
     model = onnx.helper.make_model(graph_proto, opset_imports=[onnx.helper.make_opsetid("", 17)])
     model.ir_version = 8
     try:
-        session = _ort.session(model, _ort.options(None))
+        session = ort_sessions.session(model, ort_sessions.options(None))
         return session.run(None, {"x": x.astype(np.float32)})[0]
     except Exception as error:  # noqa: BLE001 - a heuristic: no answer, and the reason says why
         failures.append(f"the first Conv alone did not run in ONNX Runtime ({one_line(error, 200)})")
@@ -316,7 +317,7 @@ def _probe_through_model(graph: _Graph, value, shape: tuple[int, ...], layout: s
     del model.graph.output[:]
     model.graph.output.append(onnx.ValueInfoProto(name=conv.output[0]))
     try:
-        session = _ort.session(model, _ort.options(None))
+        session = ort_sessions.session(model, ort_sessions.options(None))
     except Exception as error:  # noqa: BLE001 - a heuristic: no answer, and the reason says why
         failures.append(f"the model up to the first Conv did not load in ONNX Runtime ({one_line(error, 200)})")
         return {}
@@ -403,7 +404,7 @@ def _integer_kind(name: str, rows: int | None) -> tuple[str, str]:
     return "integer", "no Gather table found: ones"
 
 
-def infer_inputs(model: _io.ModelLike, seed: int = 0) -> list[InputSpec]:
+def infer_inputs(model: model_io.ModelLike, seed: int = 0) -> list[InputSpec]:
     """What :func:`synthetic_feeds` will generate for each graph input (see the module docstring)."""
     proto = model if isinstance(model, onnx.ModelProto) else _float_proto(model)
     graph = _Graph(proto)
@@ -533,7 +534,7 @@ def _metadata(spec: InputSpec, rng, image_hw: tuple[int, int]) -> np.ndarray:
     return rng.uniform(0.5, 2.0, spec.shape).astype(spec.dtype)
 
 
-def iter_synthetic_feeds(model: _io.ModelLike, n: int, seed: int = 0,
+def iter_synthetic_feeds(model: model_io.ModelLike, n: int, seed: int = 0,
                          specs: list[InputSpec] | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Lazily generate ``n`` synthetic feed dicts (one sample in memory at a time)."""
     specs = specs if specs is not None else infer_inputs(model, seed)
@@ -548,7 +549,7 @@ def iter_synthetic_feeds(model: _io.ModelLike, n: int, seed: int = 0,
         yield {spec.name: _sample(spec, rng, length, image_hw) for spec in specs}
 
 
-def synthetic_feeds(model: _io.ModelLike, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+def synthetic_feeds(model: model_io.ModelLike, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """``n`` valid synthetic feed dicts for ``model``, inferred from the graph (module docstring)."""
     return list(iter_synthetic_feeds(model, n, seed))
 
@@ -579,7 +580,7 @@ def runnable_synthetic_feeds(model: onnx.ModelProto, n: int, seed: int = 0) -> t
     if not dynamic:
         return list(iter_synthetic_feeds(model, n, seed, specs)), ""
     try:
-        session = _ort.session(model, _ort.options(1, level="basic", log_severity=4))  # refusals are expected
+        session = ort_sessions.session(model, ort_sessions.options(1, level="basic", log_severity=4))  # refusals are expected
     except Exception:  # noqa: BLE001 - a model ONNX Runtime cannot load: calibration says why
         return list(iter_synthetic_feeds(model, n, seed, specs)), ""
 

@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping
 
 import onnx
 
-from kenosis_rewrite.plan import constant_names
+from kenosis_rewrite.core.model_io import constant_names
 
 __all__ = ["NATURAL_RANGES", "PASS_THROUGH_OPS", "mixed_output_concats", "output_value_tensors"]
 

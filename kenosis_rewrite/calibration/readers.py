@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
-from kenosis_rewrite import _io
+from kenosis_rewrite.core import model_io
 from kenosis_rewrite.calibration.collect import CalibrationError
 from kenosis_rewrite.calibration.inputs import InputSpec, infer_inputs, iter_synthetic_feeds
 
@@ -94,7 +94,7 @@ def _to_model(spec: InputSpec, pixels: np.ndarray) -> np.ndarray:
     return np.repeat(x, spec.shape[0], axis=0).astype(spec.dtype)
 
 
-def image_feeds(model: _io.ModelLike, images: Iterable, n: int | None = None, seed: int = 0,
+def image_feeds(model: model_io.ModelLike, images: Iterable, n: int | None = None, seed: int = 0,
                 specs: list[InputSpec] | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Feeds from image files or HxWx3 uint8 RGB arrays, preprocessed as the model expects."""
     specs = specs if specs is not None else infer_inputs(model, seed)
@@ -113,7 +113,7 @@ def image_feeds(model: _io.ModelLike, images: Iterable, n: int | None = None, se
         yield feed
 
 
-def calibration_reader(source, model: _io.ModelLike | None = None, n: int | None = None,
+def calibration_reader(source, model: model_io.ModelLike | None = None, n: int | None = None,
                        seed: int = 0) -> StreamingReader:
     """An ORT ``CalibrationDataReader`` usable directly with ``quantize_static``.
 

@@ -74,7 +74,7 @@ class _Groups:
 def _clamp(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> tuple[float, float] | None:
     """The interval a Relu/Clip clamps to (None: not one of them). A Clip whose bound is computed at
     run time gets an empty interval, so its group is always refused. (The onnx-ir twin on the
-    quantized graph is :func:`kenosis_rewrite.value_range.activation_bounds`; this one reads the
+    quantized graph is :func:`kenosis_rewrite.graph.value_range.activation_bounds`; this one reads the
     float proto quantize_static gets.)"""
     if node.op_type == "Relu":
         return 0.0, np.inf

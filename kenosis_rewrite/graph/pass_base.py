@@ -1,0 +1,33 @@
+"""The shape every kenosis pass shares: an onnx-ir in-place pass that records into a FixReport."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kenosis_rewrite.core.report import FixReport
+
+
+class ReportingPass(ir.passes.InPlacePass):
+    """An ``InPlacePass`` with a rule name and an optional :class:`FixReport` to record into."""
+
+    rule_name: str = ""
+
+    def __init__(self, report: FixReport | None = None):
+        super().__init__()
+        self.report = report
+
+    def changed(self, where: str, detail: str, *, exact: bool) -> None:
+        if self.report is not None:
+            self.report.changed(self.rule_name, where, detail, exact=exact)
+
+    def refused(self, where: str, reason: str) -> None:
+        if self.report is not None:
+            self.report.refused(self.rule_name, where, reason)
+
+
+def remove_unused_nodes(model: ir.Model, modified: bool = True) -> None:
+    """Drop nodes and initializers a pass left without consumers."""
+    if modified:
+        from onnx_ir.passes.common import RemoveUnusedNodesPass  # noqa: PLC0415
+
+        RemoveUnusedNodesPass()(model)

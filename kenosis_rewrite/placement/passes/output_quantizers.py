@@ -1,0 +1,461 @@
+"""Give a quantized Conv/MatMul/Gemm the output quantizer ORT CPU needs to run it as an integer kernel.
+
+Transformation, for a weighted op ``W`` whose data input and weight are dequantized but whose output
+reaches no QuantizeLinear (NNCF and OpenVINO-style placement: ``DQ -> Conv -> HardSwish -> Q``)::
+
+    DQ(x) -> W(., DQ(w)) -> consumers       ==>     DQ(x) -> W(., DQ(w)) -> Q(s, z) -> DQ(s, z) -> consumers
+
+(after the BatchNormalization that alone reads a Conv's output, when there is one, so that
+``fold-batchnorm-into-conv`` folds it). A data input dequantized before a Split counts as
+dequantized (``move-dq-past-split`` moves that DQ). When the data input is a Concat of dequantized
+tensors with no quantizer after it (NNCF's YOLOv8 C2f blocks), the Concat output gets one too::
+
+    DQ(a), DQ(b) -> Concat -> W      ==>     DQ(a), DQ(b) -> Concat -> Q(s, z) -> DQ(s, z) -> W
+
+which ORT runs as QLinearConcat feeding the integer op; unless all its inputs share one set of
+parameters, seen through MaxPools (YOLOv8's SPPF): ``move-dq-forward`` then moves the DQ past the
+MaxPools and the Concat, exactly, and the Concat needs no quantizer.
+with ``(s, z)`` the asymmetric grid of the data input's type over ``[min(lo, 0), max(hi, 0)]``, where
+``[lo, hi]`` is
+
+* the range the op's output took on the caller's calibration feeds, measured with ONNX Runtime on
+  the input model (:func:`measure_output_ranges`), clipped to the bounds below when they apply;
+* without calibration, the bounds the quantizer after a saturating activation puts on its input
+  (:func:`saturation_bounds`): the op's output read only by a HardSwish (one op, or the arithmetic
+  ``x * clip(x + 3, 0, 6) / 6`` of a Paddle export) or a HardSigmoid whose output only quantizers
+  with one set of per-tensor parameters read (NNCF's ``Conv -> HardSwish -> Q``). Outside
+  them every value gives that quantizer the same code as the bound itself: HardSwish is 0 below
+  -3 (and <= 0 below 0, which a quantizer whose range starts at 0 clamps to 0) and at least the
+  quantizer's top ``hi`` above ``max(hi, root of x(x+3)/6 = hi)``; HardSigmoid is constant beyond
+  ``(0 - beta) / alpha`` and ``(1 - beta) / alpha`` and meets the quantizer's range at
+  ``(lo - beta) / alpha`` and ``(hi - beta) / alpha``. So clipping there is exact; a range is a
+  fact about data, and this one is a fact about the graph.
+
+Why: ORT CPU fuses ``DQ -> Conv -> Q`` (optionally with a Relu/Clip before the Q) into QLinearConv,
+and the same for MatMul/Gemm; without a Q after the op it runs the op in float on dequantized
+tensors. OpenVINO fuses Conv with the activation after it, so NNCF places no Q there; on ORT CPU a
+PP-LCNet quantized by NNCF 3.4 runs every Conv in float (explain(): 0% integer MACs).
+
+Exactness: approximate. One rounding step more: at most one step ``s`` of the new grid per element
+inside the range (half a step of rounding, and up to half a step where the zero point's rounding
+moves the grid's end inside the range), and a clamp at its bounds, exact for the saturation
+bounds; through the activation the downstream quantizer's input moves by at most ``L * s`` (``L``
+its slope: HardSwish <= 1.5 on its range, HardSigmoid ``alpha``). ``fix()``'s run-time guard measures the
+result against the input and undoes the pass when it costs more than its tolerance.
+
+Left alone: an op whose output already reaches a Q (directly or through a Relu/Clip), is a graph
+output, or has neither a measured range nor saturation bounds; ops whose data input is not a per-tensor 8-bit DQ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.graph.pass_base import ReportingPass
+from kenosis_rewrite.placement.passes.qdq_propagation import commutes_with_qdq
+from kenosis_rewrite.placement.rules.conv_affine_folding import conv_affine
+
+RULE_NAME = "quantize-weighted-outputs"
+_PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
+_HARDSWISH_ZERO_BELOW = -3.0  # HardSwish(x) = x * clip(x / 6 + 1 / 2, 0, 1) = 0 for x <= -3
+
+
+def _dequantized_params(value: ir.Value | None) -> qdq_params.QuantParams | None:
+    """Per-tensor 8-bit parameters of the DQ writing ``value``, seen through a Split and through
+    MaxPools (opset >= 12): ``move-dq-past-split`` and ``move-dq-forward`` then put a DQ right at
+    ``value``, exactly."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Split" and node.inputs[0] is not None:
+        node = node.inputs[0].producer()
+    # the MaxPools move-dq-forward moves a DQ past (8-bit types are checked below)
+    while (node is not None and node.op_type == "MaxPool" and node.graph is not None and node.inputs[0] is not None
+           and commutes_with_qdq(node, qdq_params.default_opset(node.graph))):
+        node = node.inputs[0].producer()
+    if not qdq_params.is_dequantize(node):
+        return None
+    params = qdq_params.quant_params(node)
+    return params if params is not None and params.is_per_tensor and params.dtype in qdq_params.EIGHT_BIT else None
+
+
+def _concat_of_dequantized(value: ir.Value | None) -> tuple[qdq_params.QuantParams, bool] | None:
+    """When ``value`` is a Concat of dequantized 8-bit tensors of one type: the first input's
+    parameters, and whether all inputs share them (then ``move-dq-forward`` makes the Concat output
+    a dequantized tensor exactly, and it needs no quantizer of its own)."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Concat" or node.domain not in qdq_params.DEFAULT_DOMAINS or not node.inputs:
+        return None
+    params = [_dequantized_params(v) for v in node.inputs]
+    if any(p is None for p in params) or len({p.dtype for p in params}) != 1:
+        return None
+    return params[0], all(p.same_as(params[0]) for p in params)
+
+
+def _has_weight(node: ir.Node) -> bool:
+    """The op's weight is a dequantized constant: ``DQ(int8 constant)``, or ``DQ(Q(float constant))``
+    as ModelOpt writes it (``fold-constant-quantize`` turns that into the first form)."""
+    weight = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if not qdq_params.is_dequantize(weight):
+        return False
+    source = weight.inputs[0].producer()
+    if qdq_params.is_quantize(source):
+        return qdq_params.const_array(source.inputs[0]) is not None
+    return qdq_params.const_array(weight.inputs[0]) is not None
+
+
+def _reaches_quantizer(value: ir.Value) -> bool:
+    for user, _ in value.uses():
+        if qdq_params.is_quantize(user):
+            return True
+        if user.op_type in _PASSING_ACTIVATIONS and any(qdq_params.is_quantize(u) for u, _ in user.outputs[0].uses()):
+            return True
+    return False
+
+
+def quantizer_site(node: ir.Node) -> ir.Value:
+    """Where the output quantizer of ``node`` goes: its output, or, for a Conv, after the chain of
+    BatchNormalizations and constant per-channel Mul/Div/Add/Sub that alone reads its output
+    (``fold-batchnorm-into-conv`` and ``fold-affine-into-conv`` then fold the chain into the Conv)."""
+    site = node.outputs[0]
+    weights = qdq_params.constant_or_dequantized(node.inputs[1]) if node.op_type == "Conv" and len(node.inputs) > 1 else None
+    if weights is None:
+        return site
+    while not site.is_graph_output():
+        users = list(site.uses())
+        # read once, as the first input (either one of a commutative Add/Mul)
+        if len(users) != 1 or (users[0][1] != 0 and users[0][0].op_type not in ("Add", "Mul")):
+            break
+        user = users[0][0]
+        foldable = (user.op_type == "BatchNormalization" and user.domain in qdq_params.DEFAULT_DOMAINS
+                    or not isinstance(conv_affine(user, site, weights.shape[0], weights.ndim), str))
+        if not foldable:
+            break
+        site = user.outputs[0]
+    return site
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A float tensor next to a weighted op that needs a Q/DQ for ORT to run the op integer."""
+
+    value: ir.Value
+    like: qdq_params.QuantParams  # the grid type to use (the op's data input's)
+    op: ir.Node
+    kind: str  # "output" or "input"
+
+
+def _open(value: ir.Value) -> bool:
+    return bool(value.name) and not value.is_graph_output() and bool(value.uses()) and not _reaches_quantizer(value)
+
+
+def sites(graph: ir.Graph) -> list[Site]:
+    """The tensors of weighted ops (top-level graph) that miss a quantizer: the output of an op whose
+    data input is dequantized, and the data input itself when it is a Concat of dequantized tensors
+    (NNCF leaves Concat outputs float; ORT fuses DQs -> Concat -> Q into QLinearConcat)."""
+    found, seen = [], set()
+    for node in graph:
+        if node.op_type not in qdq_params.WEIGHTED_OPS or node.domain not in qdq_params.DEFAULT_DOMAINS or not _has_weight(node):
+            continue
+        like = _dequantized_params(node.inputs[0])
+        concat = _concat_of_dequantized(node.inputs[0]) if like is None else None
+        if concat is not None:
+            like, shared = concat
+            if not shared and _open(node.inputs[0]) and node.inputs[0] not in seen:
+                found.append(Site(node.inputs[0], like, node, "input"))
+                seen.add(node.inputs[0])
+        site = quantizer_site(node)
+        if like is not None and _open(site) and not _reaches_quantizer(node.outputs[0]) and site not in seen:
+            found.append(Site(site, like, node, "output"))
+            seen.add(site)
+    return found
+
+
+def _scalar(value: ir.Value | None, expected: float) -> bool:
+    array = qdq_params.const_array(value) if value is not None else None
+    return array is not None and array.size == 1 and bool(np.isclose(float(array.reshape(-1)[0]), expected, rtol=1e-4))
+
+
+def _only_use(value: ir.Value, op_type: str) -> ir.Node | None:
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    node = uses[0][0]
+    return node if qdq_params.is_op(node, op_type) else None
+
+
+def _decomposed_hardswish(value: ir.Value) -> ir.Value | None:
+    """The output of ``x * clip(x + 3, 0, 6) / 6`` (the Div before or after the Mul) or of
+    ``x * HardSigmoid(x; 1/6, 1/2)`` when the readers of ``x = value`` compute exactly that."""
+    users = {node.op_type: node for node, _ in value.uses()}
+    if len(users) != 2 or len(list(value.uses())) != 2 or "Mul" not in users:
+        return None
+    mul = users["Mul"]
+    if "HardSigmoid" in users:
+        gate = users["HardSigmoid"]
+        if not (np.isclose(gate.attributes.get_float("alpha", 0.2), 1 / 6) and np.isclose(gate.attributes.get_float("beta", 0.5), 0.5)):
+            return None
+        gate_output = gate.outputs[0]
+    elif "Add" in users:
+        add = users["Add"]
+        if not _scalar(add.inputs[1] if add.inputs[0] is value else add.inputs[0], 3.0):
+            return None
+        clip = _only_use(add.outputs[0], "Clip")
+        if clip is None or len(clip.inputs) < 3 or not (_scalar(clip.inputs[1], 0.0) and _scalar(clip.inputs[2], 6.0)):
+            return None
+        gate_output = clip.outputs[0]
+        divide = _only_use(gate_output, "Div")
+        if divide is not None:  # clip(x + 3, 0, 6) / 6, then times x
+            if not _scalar(divide.inputs[1], 6.0):
+                return None
+            gate_output = divide.outputs[0]
+    else:
+        return None
+    if {id(v) for v in mul.inputs} != {id(value), id(gate_output)} or _only_use(gate_output, "Mul") is not mul:
+        return None
+    if gate_output.producer().op_type != "Clip":
+        return mul.outputs[0]
+    divide = _only_use(mul.outputs[0], "Div")  # x * clip(x + 3, 0, 6), then / 6
+    return divide.outputs[0] if divide is not None and _scalar(divide.inputs[1], 6.0) else None
+
+
+def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float] | None:
+    """``(kind, output, alpha, beta)`` when the readers of ``value`` compute one saturating
+    activation of it: a HardSwish (one op, or written as arithmetic as Paddle exports it) or a
+    HardSigmoid with ``alpha > 0``."""
+    uses = list(value.uses())
+    if len(uses) == 1 and uses[0][1] == 0:
+        node = uses[0][0]
+        if qdq_params.is_op(node, "HardSwish"):
+            return "HardSwish", node.outputs[0], 1 / 6, 0.5
+        if qdq_params.is_op(node, "HardSigmoid"):
+            alpha, beta = node.attributes.get_float("alpha", 0.2), node.attributes.get_float("beta", 0.5)
+            return ("HardSigmoid", node.outputs[0], alpha, beta) if alpha > 0 else None
+    output = _decomposed_hardswish(value)
+    return ("HardSwish", output, 1 / 6, 0.5) if output is not None else None
+
+
+def activation_bounds(kind: str, alpha: float, beta: float, lo: float, hi: float) -> tuple[float, float]:
+    """``[a, b]`` such that every ``x`` outside gives the activation a value the range ``[lo, hi]``
+    (``lo <= 0 <= hi``) clamps to what ``clip(x, a, b)`` gives; see the module docstring."""
+    if kind == "HardSwish":
+        low = 0.0 if lo >= 0.0 else _HARDSWISH_ZERO_BELOW
+        # x * (x + 3) / 6 = hi on the increasing branch, or x itself from x = 3 on
+        high = hi if hi >= 3.0 else (-3.0 + float(np.sqrt(9.0 + 24.0 * hi))) / 2.0
+        return low, high
+    return (max(lo, 0.0) - beta) / alpha, (min(hi, 1.0) - beta) / alpha
+
+
+# a scalar constant is a one-channel vector of a tensor of any rank up to this
+_SCALAR_RANK = 8
+
+
+def _scalar_affine_after(value: ir.Value) -> tuple[ir.Value, float, float]:
+    """``(end, a, b)``: ``end = a * value + b`` at the end of the chain of Mul/Div by positive scalar
+    constants and Add/Sub of scalar constants that alone reads ``value`` (Paddle's learnable affine
+    after an activation); ``(value, 1, 0)`` without one. ``a > 0``: the chain is increasing. Each
+    step is read as the Conv affine fold reads one (:func:`conv_affine`), with one channel."""
+    a, b = 1.0, 0.0
+    while not value.is_graph_output():
+        uses = list(value.uses())
+        if len(uses) != 1:
+            break
+        node = uses[0][0]
+        step = conv_affine(node, value, 1, _SCALAR_RANK)
+        if isinstance(step, str) or not step[0][0] > 0:
+            break
+        scale, shift = float(step[0][0]), float(step[1][0])
+        a, b = a * scale, b * scale + shift
+        value = node.outputs[0]
+    return value, a, b
+
+
+def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
+    """``(a, b, why)`` when ``value`` is read only by a saturating activation whose output only
+    quantizers with one set of per-tensor parameters read, directly or through an increasing
+    scalar affine (:func:`_scalar_affine_after`, whose inverse maps their range onto the
+    activation's): values of ``value`` outside ``[a, b]`` give those quantizers the codes of ``a``
+    and ``b``, so a grid for ``value`` can stop there."""
+    activation = saturating_activation(value)
+    if activation is None:
+        return None
+    kind, output, alpha, beta = activation
+    end, scale_after, shift_after = _scalar_affine_after(output)
+    readers = [user for user, _ in end.uses()]
+    if end.is_graph_output() or not readers or not all(qdq_params.is_quantize(user) for user in readers):
+        return None
+    params = [qdq_params.quant_params(user) for user in readers]
+    first = params[0]
+    if any(p is None or not p.is_per_tensor or not p.same_as(first) for p in params):
+        return None
+    scale, zero_point = first.scalar_scale, first.scalar_zero_point
+    lo, hi = (first.qmin - zero_point) * scale, (first.qmax - zero_point) * scale
+    through = ""
+    if end is not output:
+        lo, hi = (lo - shift_after) / scale_after, (hi - shift_after) / scale_after
+        through = f" through {scale_after:.4g} x + {shift_after:.4g}"
+        if not hi >= 0:  # the quantizer's whole range lies below what the activation reaches
+            return None
+    low, high = activation_bounds(kind, alpha, beta, lo, hi)
+    if not low < high:
+        return None
+    return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]{through}"
+
+
+def site_range(site: Site, measured: tuple[float, float] | None) -> tuple[float, float, str] | None:
+    """``(lo, hi, source)`` for ``site``: the measured range clipped to the saturation bounds, or the
+    bounds alone without a measurement; None when there is neither."""
+    bounds = saturation_bounds(site.value) if site.kind == "output" else None
+    if bounds is None:
+        return None if measured is None else (measured[0], measured[1], "the measured range")
+    low, high, why = bounds
+    if measured is None:
+        return low, high, f"the bounds of {why}"
+    lo, hi = max(measured[0], low), min(measured[1], high)
+    if not lo < hi:  # every measured value saturates: the bounds alone
+        return low, high, f"the bounds of {why}"
+    return lo, hi, f"the measured range within the bounds of {why}"
+
+
+def covering_grid(lo: float, hi: float, qmin: int, qmax: int) -> tuple[np.float32, int] | None:
+    """``(scale, zero_point)`` of the asymmetric grid over ``[min(lo, 0), max(hi, 0)]`` whose codes
+    reach both ends: the zero point's rounding would otherwise leave up to half a step of one end
+    outside, which clamps values a saturation bound promises to keep."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if not hi > lo:
+        return None
+    scale = (hi - lo) / (qmax - qmin)
+    zero_point = int(np.clip(np.rint(qmin - lo / scale), qmin, qmax))
+    if zero_point < qmax:
+        scale = max(scale, hi / (qmax - zero_point))
+    if zero_point > qmin:
+        scale = max(scale, lo / (qmin - zero_point))
+    scale = np.float32(scale)
+    # float32 rounding must not leave an end outside either
+    while (qmax - zero_point) * float(scale) < hi or (qmin - zero_point) * float(scale) > lo:
+        scale = np.nextafter(scale, np.float32(np.inf))
+    return scale, zero_point
+
+
+def candidates(graph: ir.Graph) -> list[ir.Node]:
+    """The weighted ops one of whose tensors :func:`sites` would quantize."""
+    return list(dict.fromkeys(site.op for site in sites(graph)))
+
+
+def measure_output_ranges(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, tuple[float, float]]:
+    """``{output name: (lo, hi)}`` of every candidate op of ``model`` over ``feeds`` (ONNX Runtime)."""
+    graph = ir.serde.deserialize_model(model).graph
+    names = [site.value.name for site in sites(graph)]
+    if not names or not feeds:
+        return {}
+    augmented = onnx.ModelProto()
+    augmented.CopyFrom(model)
+    present = {o.name for o in augmented.graph.output}
+    augmented.graph.output.extend(onnx.ValueInfoProto(name=name) for name in names if name not in present)
+    session = fidelity.session(augmented, optimized=False)
+    ranges: dict[str, tuple[float, float]] = {}
+    for feed in feeds:
+        for name, array in zip(names, session.run(names, dict(feed))):
+            if array.size == 0 or not np.all(np.isfinite(array)):
+                continue
+            lo, hi = float(array.min()), float(array.max())
+            old = ranges.get(name, (lo, hi))
+            ranges[name] = (min(lo, old[0]), max(hi, old[1]))
+    return ranges
+
+
+class QuantizeWeightedOutputsPass(ReportingPass):
+    """Insert the output Q/DQ of weighted ops that have none; see the module docstring."""
+
+    rule_name = RULE_NAME
+
+    def __init__(self, ranges: Mapping[str, tuple[float, float]], report=None):
+        super().__init__(report)
+        self.ranges = dict(ranges)
+        # the output quantizers inserted after a BatchNormalization/affine chain, for
+        # undo_unfolded_chains: (site, Q, DQ, the report's change)
+        self.after_chains: list[tuple[Site, ir.Node, ir.Node, object]] = []
+
+    def undo_unfolded_chains(self, model: ir.Model) -> int:
+        """Remove each output quantizer this pass put after a Conv's BatchNormalization/affine chain
+        that the fold rules then left in place (NNCF's PP-OCRv3 rec at opset 12: no per-channel
+        DequantizeLinear, and the per-tensor weight scale cannot hold the folded channels). ORT
+        fuses ``DQ -> Conv -> Q`` only with nothing but a Relu/Clip between: there the Conv stays
+        float and the quantizer is one rounding and two ops more per run (4.5% of that model's
+        time). Exact: the Q/DQ pair goes, which is the graph as it was before this pass.
+        Returns the number removed."""
+        removed = 0
+        for site, quantize, dequantize, change in self.after_chains:
+            if quantize.graph is not model.graph or dequantize.graph is not model.graph:
+                continue  # a rule replaced them: the pair is no longer this pass's
+            if _fused_producer(quantize.inputs[0]) or len(quantize.outputs[0].uses()) != 1 \
+                    or dequantize.inputs[0] is not quantize.outputs[0] or dequantize.outputs[0].is_graph_output():
+                continue
+            source = quantize.inputs[0]
+            for user, index in list(dequantize.outputs[0].uses()):
+                user.replace_input_with(index, source)
+            model.graph.remove([dequantize, quantize], safe=True)
+            if self.report is not None and change in self.report.changes:
+                self.report.changes.remove(change)
+            chain = source.producer().op_type if source.producer() is not None else "?"
+            self.refused(site.op.name or site.op.op_type,
+                         f"the {chain} between it and its output quantizer did not fold into it, so ORT would run "
+                         "it in float either way: quantizer removed")
+            removed += 1
+        return removed
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, modified = model.graph, False
+        names = qdq_params.NameAllocator(graph)  # one scan of the graph for every quantizer inserted
+        for site in sites(graph):
+            chosen = site_range(site, self.ranges.get(site.value.name))
+            if chosen is None:
+                where = site.op.name or site.op.op_type
+                self.refused(where, f"no range measured for its {site.kind} {site.value.name!r} (pass calibration= feeds)")
+                continue
+            modified |= self._insert(graph, names, site, *chosen)
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _insert(self, graph: ir.Graph, names: qdq_params.NameAllocator, site: Site, lo: float, hi: float, source: str) -> bool:
+        """Q/DQ on ``site`` over ``[lo, hi]`` in its grid type."""
+        like = site.like
+        grid = covering_grid(lo, hi, like.qmin, like.qmax)
+        if grid is None:
+            return False
+        scale, zero_point = grid
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        producer, output = site.value.producer(), site.value
+        base = output.name
+        scale_name = names.fresh(f"{base}_output_scale")
+        scale_value = qdq_params.add_initializer(graph, ir.tensor(np.asarray(scale, np.float32), name=scale_name), scale_name)
+        zp_name = names.fresh(f"{base}_output_zero_point")
+        zp_value = qdq_params.add_initializer(graph, qdq_params.integer_tensor(np.asarray(zero_point), like.dtype, zp_name), zp_name)
+        readers = list(output.uses())
+        quantize = ir.Node("", qdq_params.QUANTIZE, [output, scale_value, zp_value], name=names.fresh(f"{base}_QuantizeLinear"))
+        dequantize = ir.Node("", qdq_params.DEQUANTIZE, [quantize.outputs[0], scale_value, zp_value],
+                             name=names.fresh(f"{base}_DequantizeLinear"))
+        quantize.outputs[0].name = names.fresh(f"{base}_quantized")
+        dequantize.outputs[0].name = names.fresh(f"{base}_dequantized")
+        graph.insert_after(producer, [quantize, dequantize])
+        for user, index in readers:
+            user.replace_input_with(index, dequantize.outputs[0])
+        self.changed(site.op.name or site.op.op_type, f"{site.kind} quantizer {like.dtype.name.lower()} s={float(scale):.6g} "
+                     f"zp={zero_point} over [{lo:.4g}, {hi:.4g}], {source}", exact=False)
+        if site.kind == "output" and site.value is not site.op.outputs[0]:
+            self.after_chains.append((site, quantize, dequantize, self.report.changes[-1] if self.report is not None else None))
+        return True
+
+
+def _fused_producer(value: ir.Value) -> bool:
+    """Whether ``value`` comes from a weighted op directly or through Relu/Clip each read once: what
+    ORT fuses with the Q after it."""
+    node = value.producer()
+    while node is not None and node.op_type in _PASSING_ACTIVATIONS and node.domain in qdq_params.DEFAULT_DOMAINS \
+            and node.inputs[0] is not None and len(node.inputs[0].uses()) == 1:
+        node = node.inputs[0].producer()
+    return node is not None and node.op_type in qdq_params.WEIGHTED_OPS and node.domain in qdq_params.DEFAULT_DOMAINS
