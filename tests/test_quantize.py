@@ -51,7 +51,7 @@ def test_user_feeds_and_percentile_method():
 
 def test_quantize_freezes_the_callers_objects_while_it_runs_and_releases_them(monkeypatch):
     """kenosis_rewrite.core.gc_freeze: no full collection over the caller's objects inside quantize()."""
-    quantize_module = sys.modules["kenosis_rewrite.quantization.pipeline"]
+    quantize_module = sys.modules["kenosis_rewrite.quantization.graph_preparation"]
     prepare, frozen = quantize_module.prepare_serialized, []
 
     def watched(*args, **kwargs):
@@ -178,7 +178,7 @@ def test_other_targets_quantize_symmetric_or_int8(target):
 
 
 def test_per_channel_auto_and_opset_policy():
-    from kenosis_rewrite.quantization.pipeline import _weight_snr_db, per_channel_overrides
+    from kenosis_rewrite.quantization.configuration import _weight_snr_db, per_channel_overrides
 
     rng = np.random.default_rng(0)
     uneven = rng.standard_normal((8, 4, 3, 3)) * np.array([1, 1, 1, 1, 1, 1, 1, 50.0]).reshape(8, 1, 1, 1)
@@ -411,10 +411,8 @@ def test_ranges_the_quantizer_sets_are_the_sole_inputs_of_relu_and_clip_and_soft
     {"target": "tensorrt"}, {"bias_correction": False, "weight_rounding": False},
 ])
 def test_unmeasured_borrowed_ranges_give_the_same_model_byte_for_byte(monkeypatch, options):
-    from kenosis_rewrite import quantize as quantize_module  # noqa: PLC0415
     from kenosis_rewrite.calibration import collect  # noqa: PLC0415
-
-    module = sys.modules[quantize_module.__module__]
+    from kenosis_rewrite.quantization import calibration_stage as module  # noqa: PLC0415
     measured, real = [], collect._collect
 
     def spy(*args, **kwargs):
@@ -479,7 +477,7 @@ def test_weight_rounding_and_bias_correction_are_undone_where_they_move_the_outp
     """Both fit each layer on its own; where the output ends up further from the model as given on
     the calibration feeds (ddddocr's YOLOX: error x4.4, held-out cosine 0.99235 with them and 0.99759
     without), quantize() returns the model without them and says so."""
-    quantize_module = sys.modules["kenosis_rewrite.quantization.pipeline"]
+    quantize_module = sys.modules["kenosis_rewrite.quantization.corrections"]
     float_model = toy_models.build("conv_relu")
     feeds = toy_models.random_feeds(float_model, 8)
     kept, kept_report = quantize(float_model, feeds, return_report=True)

@@ -13,7 +13,7 @@ from onnxruntime.quantization.quant_utils import compute_data_quant_params
 
 from kenosis_rewrite import calibration as calib
 from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.quantization.pipeline import per_channel_overrides, quantize_static_options
+from kenosis_rewrite.quantization.configuration import per_channel_overrides, quantize_static_options
 from kenosis_rewrite.calibration.ort_static import channel_quant_params, quantize_static_qdq, quantize_static_qdq_proto
 
 

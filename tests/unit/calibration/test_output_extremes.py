@@ -105,7 +105,7 @@ def test_quantize_keeps_the_rare_confident_score_a_percentile_would_clip(monkeyp
     logits keep their min/max and the scores their whole [0, 1], and the Concat joining them to the
     boxes stays float, so the score survives; with the walk stubbed out it is clamped near the
     background's best."""
-    quantize_module = sys.modules[quantize.__module__]
+    quantize_module = sys.modules["kenosis_rewrite.quantization.calibration_stage"]
     b = ToyBuilder(3)
     logits = b.node("Conv", ["x", b.const(np.ones((2, 8, 1, 1), np.float32), "w"),
                              b.const(np.full(2, -12.0, np.float32), "prior")])
