@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 import tempfile
 import time
 from collections.abc import Sequence
@@ -91,10 +92,10 @@ def _single_argv(command: str, model: str, outputs: list[str], options: list[str
     return [command, model, outputs[0], *options]
 
 
-def _run_one(command: str, model: str, name: str, out_dir: str, partial: str, options: list[str]) -> Outcome:
-    """Worker: the single-model command on ``model``, written to a private folder, then moved into place."""
-    from kenosis_rewrite.cli.main import main  # noqa: PLC0415 - imported in the worker process
-
+def _run_one(single: Callable[[list[str]], int], command: str, model: str, name: str, out_dir: str, partial: str,
+             options: list[str]) -> Outcome:
+    """Worker: the single-model command on ``model`` (``single``: the command line's entry point, passed in
+    so this module need not import it), written to a private folder, then moved into place."""
     final = _outputs(command, out_dir, name)
     work = tempfile.mkdtemp(prefix="job-", dir=partial)
     staged = [os.path.join(work, os.path.basename(path)) for path in final]
@@ -102,7 +103,7 @@ def _run_one(command: str, model: str, name: str, out_dir: str, partial: str, op
     start = time.perf_counter()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(messages):
-            code = main.main(_single_argv(command, model, staged, options))
+            code = single(_single_argv(command, model, staged, options))
     except Exception as error:  # noqa: BLE001 - one model's crash must not stop the batch
         code, messages = 1, io.StringIO(f"{type(error).__name__}: {error}")
     seconds = time.perf_counter() - start
@@ -163,7 +164,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
-def batch_main(command: str, argv: list[str]) -> int:
+def batch_main(command: str, argv: list[str], single: Callable[[list[str]], int]) -> int:
     """Run ``command`` over the models named by ``argv``'s input (a folder or list file)."""
     args, options = _parser(command).parse_known_args(argv)
     out_dir = args.out if command == "bench" else args.output
@@ -190,7 +191,7 @@ def batch_main(command: str, argv: list[str]) -> int:
         print(f"[{done}/{total}] skipped {done} model(s) already done", file=sys.stderr)
     context = multiprocessing.get_context("spawn")  # fresh interpreters: no inherited ORT threads
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
-        futures = {pool.submit(_run_one, command, path, name, out_dir, partial, options): name for path, name in todo}
+        futures = {pool.submit(_run_one, single, command, path, name, out_dir, partial, options): name for path, name in todo}
         for future in concurrent.futures.as_completed(futures):
             name = futures[future]
             try:

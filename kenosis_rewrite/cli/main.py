@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(argv) > 1 and argv[0] in BATCH_COMMANDS and is_batch_input(argv[1]):
-            return batch_main(argv[0], argv[1:])
+            return batch_main(argv[0], argv[1:], main)
         if argv and argv[0] == "bench":
             return _bench(argv[1:])
         args = _parser().parse_args(argv)
