@@ -305,7 +305,7 @@ SOFTMAX_HEAD_SEEDS = 1_000_000
 # symbolic batch dim, shape arithmetic in the graph; their outputs must also run at batch 2 where
 # the input model does.
 DYNAMIC_BATCH_SEEDS = 20_000_000
-# Seeds from here on are small transformer encoders (fuzz_models._build_transformer), exported with a
+# Seeds from here on are small transformer encoders (fuzz_dense_layers.build_transformer), exported with a
 # dynamic batch too.
 TRANSFORMER_SEEDS = 30_000_000
 
