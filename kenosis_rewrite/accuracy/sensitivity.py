@@ -30,7 +30,7 @@ from kenosis_rewrite.core import model_io
 from kenosis_rewrite.core import ort_sessions
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.accuracy.bias_correction import first_input_readers, float_counterpart
+from kenosis_rewrite.accuracy.layer_matching import first_input_readers, float_counterpart
 from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.graph.pass_base import remove_unused_nodes
 from kenosis_rewrite.graph.dequantize import dequantize_constants, remove_qdq_pair

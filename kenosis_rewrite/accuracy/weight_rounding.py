@@ -52,7 +52,8 @@ import onnx_ir as ir
 
 from kenosis_rewrite.core import ort_sessions
 from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.accuracy.bias_correction import conv_geometry, float_counterpart, matched_layers, same_weights
+from kenosis_rewrite.accuracy.bias_correction import conv_geometry
+from kenosis_rewrite.accuracy.layer_matching import float_counterpart, matched_layers, same_weights
 from kenosis_rewrite.core.report import FixReport
 
 RULE_NAME = "weight-rounding"

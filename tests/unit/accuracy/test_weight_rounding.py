@@ -14,7 +14,7 @@ from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.accuracy import weight_rounding
-from kenosis_rewrite.accuracy.bias_correction import first_input_readers
+from kenosis_rewrite.accuracy.layer_matching import first_input_readers
 from kenosis_rewrite.quantization.pipeline import quantize
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.accuracy.weight_rounding import (
