@@ -8,6 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "KenosisError",
+    "AlreadyQuantizedError",
+    "ControlFlowError",
     "NotAnOnnxModelError",
     "InvalidModelError",
     "NoQDQError",
@@ -19,6 +21,11 @@ __all__ = [
     "RuntimeMeasurementError",
     "RewriteError",
     "UnsupportedValueTypeError",
+    "CalibrationError",
+    "PrepareFailedError",
+    "PackageUnavailableError",
+    "PeerNotInstalledError",
+    "PeerFailedError",
 ]
 
 
@@ -76,6 +83,26 @@ class UnsupportedValueTypeError(KenosisError):
 
 class RewriteError(KenosisError):
     """A rewrite produced a model that fails validation; nothing is returned rather than a broken model."""
+
+
+class CalibrationError(KenosisError):
+    """Calibration could not run: bad feeds, a model ORT cannot run, or an unusable cache file."""
+
+
+class PrepareFailedError(KenosisError):
+    """The canonical graph did not reproduce the model's outputs (raised only with ``strict=True``)."""
+
+
+class PackageUnavailableError(ZooError):
+    """pip could not obtain a pinned package (offline, or the index does not carry it)."""
+
+
+class PeerNotInstalledError(KenosisError):
+    """The peer quantizer has no interpreter that can import it."""
+
+
+class PeerFailedError(KenosisError):
+    """The peer quantizer ran and failed (its own error is in the message)."""
 
 
 def one_line(error: BaseException, limit: int = 300) -> str:

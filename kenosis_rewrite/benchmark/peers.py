@@ -36,18 +36,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.errors import KenosisError, PeerFailedError, PeerNotInstalledError
 
 __all__ = ["PEERS", "Peer", "PeerQuantization", "PeerNotInstalledError", "PeerFailedError",
            "find_python", "install", "quantize_with_peer", "save_feeds", "load_feeds"]
 
 
-class PeerNotInstalledError(KenosisError):
-    """The peer quantizer has no interpreter that can import it."""
-
-
-class PeerFailedError(KenosisError):
-    """The peer quantizer ran and failed (its own error is in the message)."""
 
 
 # Every driver: argv = fp32 model, feeds (.npz, "{index}::{input name}"), output model, preset or "".

@@ -30,7 +30,7 @@ from kenosis_rewrite.core import model_io
 from kenosis_rewrite.core import ort_sessions
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.calibration.histogram import METHODS, PercentileTails, StreamingHistogram, range_from_histogram
-from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.errors import CalibrationError, KenosisError
 
 __all__ = [
     "CalibrationError",
@@ -58,9 +58,6 @@ _TASK_BYTES = 4 << 20
 _TAILS_FROM_BYTES = 128 << 10
 _FORMAT = "kenosis-calibration/1"
 
-
-class CalibrationError(KenosisError):
-    """Calibration could not run: bad feeds, a model ORT cannot run, or an unusable cache file."""
 
 
 @dataclasses.dataclass

@@ -70,7 +70,7 @@ from onnxscript.rewriter.rules.common import fuse_hardswish_rules, no_op_transpo
 from kenosis_rewrite.core import model_io
 from kenosis_rewrite.core import ort_sessions
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
+from kenosis_rewrite.errors import KenosisError, PrepareFailedError, RuntimeMeasurementError
 from kenosis_rewrite.core.ort_quantize import quiet_logger
 from kenosis_rewrite._upstream.lift_constants import LiftAllConstantsPass
 from kenosis_rewrite.graph.value_origins import Origin, value_origins
@@ -99,9 +99,6 @@ _HARDSWISH_OPSET = 14  # HardSwish is an ONNX op from opset 14
 VERIFY_FEEDS = 2
 _DATA_ROUTED_OPS = frozenset({"If", "Loop", "Scan", "NonZero", "TopK", "NonMaxSuppression", "Unique", "Compress"})
 
-
-class PrepareFailedError(KenosisError):
-    """The canonical graph did not reproduce the model's outputs (raised only with ``strict=True``)."""
 
 
 def _op_counts(model: ir.Model) -> collections.Counter:

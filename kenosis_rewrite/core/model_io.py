@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Union
 
 import numpy as np
@@ -74,10 +75,22 @@ def is_large(model: ir.Model) -> bool:
     return tensor_bytes(model) > LARGE_MODEL_BYTES
 
 
+def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of ``graph``: initializers and attribute tensors, subgraphs' included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for body in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _all_tensors(body)
+
+
 def _external_bytes(proto: onnx.ModelProto) -> int:
     """Bytes of ``proto``'s tensors stored in external files (from their ``length`` entries)."""
     total = 0
-    for tensor in onnx.external_data_helper._get_all_tensors(proto):  # noqa: SLF001 - graphs and attributes
+    for tensor in _all_tensors(proto.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             info = {entry.key: entry.value for entry in tensor.external_data}
             length = info.get("length")

@@ -20,6 +20,8 @@ Order for ``ort-cpu`` (each step's module docstring states its transformation an
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -351,7 +353,14 @@ def _closing_round(
     return again, merged, again_after
 
 
-def fix_with_report(
+def fix_with_report(model: model_io.ModelLike, **options) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
+    """Deprecated: use ``fix(model, return_report=True)``, which returns the same ``(model, FixReport)``."""
+    warnings.warn("fix_with_report() is deprecated and will be removed in the next release: "
+                  "use fix(model, return_report=True)", DeprecationWarning, stacklevel=2)
+    return _fixed_and_report(model, **options)
+
+
+def _fixed_and_report(
     model: model_io.ModelLike,
     *,
     target: str = "ort-cpu",
@@ -364,7 +373,7 @@ def fix_with_report(
     bias_correction: bool = False,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[onnx.ModelProto | ir.Model, FixReport]:
-    """:func:`fix`, returning ``(fixed_model, FixReport)``."""
+    """:func:`fix`'s model and report."""
     loaded, report, after = fix_loaded(
         model, target=target, float_model=float_model, calibration=calibration, optimize_for=optimize_for,
         latency_budget_s=latency_budget_s, threads=threads, verify=verify, bias_correction=bias_correction,
@@ -391,7 +400,7 @@ def fix_loaded(
     latency_budget_s: float = 60.0, threads: int = 1, verify: bool | None = None, bias_correction: bool = False,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
-    """:func:`fix_with_report` before the result is converted: ``(loaded, report, output proto or None)``.
+    """:func:`fix` before the result is converted: ``(loaded, report, output proto or None)``.
 
     The output proto is None when none was built (a large model, or no step needed the model in
     memory): the CLI then writes ``loaded.model`` as it is, its unchanged weights streamed from the
@@ -520,7 +529,7 @@ def fix(
         KenosisError: a subclass naming what is wrong with the input (not ONNX, no Q/DQ,
             QOperator format, unsupported opset, too large, unknown target).
     """
-    fixed, report = fix_with_report(
+    fixed, report = _fixed_and_report(
         model, target=target, float_model=float_model, calibration=calibration,
         optimize_for=optimize_for, latency_budget_s=latency_budget_s, threads=threads, verify=verify,
         bias_correction=bias_correction, input_shapes=input_shapes,

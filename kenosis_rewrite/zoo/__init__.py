@@ -32,7 +32,7 @@ from types import MappingProxyType
 import numpy as np
 
 from kenosis_rewrite.zoo import task_metrics
-from kenosis_rewrite.errors import ZooError
+from kenosis_rewrite.errors import PackageUnavailableError, ZooError
 from kenosis_rewrite.zoo.preprocess import (  # noqa: F401 - re-exported: the zoo's preprocessing was defined here
     ImageNet_MEAN,
     ImageNet_STD,
@@ -83,9 +83,6 @@ __all__ = [
 
 PIP_TIMEOUT_S = 900
 
-
-class PackageUnavailableError(ZooError):
-    """pip could not obtain a pinned package (offline, or the index does not carry it)."""
 
 
 # --------------------------------------------------------------------------- registry
