@@ -129,9 +129,12 @@ def test_old_opset_is_refused():
         kenosis_rewrite.fix(model)
 
 
-def test_per_channel_qdq_below_opset_13_is_refused_with_what_to_do():
+def test_per_channel_qdq_below_opset_13_is_refused_with_what_to_do_then_upgraded_by_fix():
     """quantize_static(per_channel=True) on an opset-12 model writes DequantizeLinear(axis=...), which
-    opset 12 does not have (ddddocr 1.6.1 common.onnx): the checker's refusal alone said nothing of why."""
+    opset 12 does not have (ddddocr 1.6.1 common.onnx): the checker's refusal alone said nothing of why.
+    Loading it still says why; fix() converts it to opset 13 and goes on (tests/unit/placement/test_opset_upgrade.py)."""
+    from kenosis_rewrite.core import model_io  # noqa: PLC0415
+
     float_model = toy_models.build("conv_relu")
     qdq = ort_quantize.quantize_with_ort(float_model, toy_models.random_feeds(float_model, 2), "u8s8", per_channel=True)
     assert any(a.name == "axis" for n in qdq.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute)
@@ -139,7 +142,10 @@ def test_per_channel_qdq_below_opset_13_is_refused_with_what_to_do():
         if opset.domain in ("", "ai.onnx"):
             opset.version = 12
     with pytest.raises(kenosis_rewrite.InvalidModelError, match=r"need opset 13.*imports opset 12.*per_channel=False"):
-        kenosis_rewrite.fix(qdq)
+        model_io.load(qdq)
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+    assert [o.version for o in fixed.opset_import if o.domain == ""] == [13]
+    assert any(note.startswith("opset 12 -> 13") for note in report.notes)
 
 
 def test_invalid_graph_is_refused():

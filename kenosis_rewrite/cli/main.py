@@ -1,10 +1,10 @@
 """The ``kenosis-rewrite`` command line.
 
-    kenosis-rewrite fix IN.onnx OUT.onnx [--report] [--report-json R.json] [--float-model F.onnx]
+    kenosis-rewrite fix IN.onnx OUT.onnx [--calibration PATH] [--report] [--report-json R.json] [--float-model F.onnx]
                     [--optimize-for latency] [--latency-budget S] [--threads N]
     kenosis-rewrite explain MODEL.onnx [--json]
     kenosis-rewrite profile MODEL.onnx [--runs N]
-    kenosis-rewrite quantize FP32.onnx OUT.onnx [--calibration DIR|synthetic] [--per-tensor] [--fidelity COS]
+    kenosis-rewrite quantize FP32.onnx OUT.onnx [--calibration PATH|synthetic] [--per-tensor] [--fidelity COS]
     kenosis-rewrite quantize-weights FP32.onnx OUT.onnx [--bits 4] [--block-size 32] [--asymmetric] [--rtn]
     kenosis-rewrite bench MODEL.onnx|zoo:NAME [--peers nncf,inc,quark] [--threads 1,2] [...]
     kenosis-rewrite peers list | install NAME
@@ -36,7 +36,8 @@ def _fix(args: argparse.Namespace) -> int:
     from kenosis_rewrite.placement.pipeline import fix_loaded  # noqa: PLC0415
 
     loaded, report, _ = fix_loaded(
-        args.input, target=args.target, float_model=args.float_model, optimize_for=args.optimize_for,
+        args.input, target=args.target, float_model=args.float_model, calibration=args.calibration,
+        optimize_for=args.optimize_for,
         latency_budget_s=args.latency_budget, threads=args.threads, verify=False if args.no_guard else None,
         input_shapes=_input_shapes(args.input_shape),
     )
@@ -151,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     fix.add_argument("output", help="where to write the fixed model")
     fix.add_argument("--target", default="ort-cpu", help="runtime to place Q/DQ for (default: ort-cpu)")
     fix.add_argument("--float-model", help="FP32 original: report fidelity before/after against it")
+    fix.add_argument("--calibration", metavar="PATH", default=None,
+                     help="real inputs for the guard, output quantizers and the fidelity report: a .npz (one array per "
+                          "input name, samples along the first axis), a folder of .npz files, or a folder of images")
     fix.add_argument("--optimize-for", choices=["latency"], default=None,
                      help="also measure per layer and return layers to float where that is faster here")
     fix.add_argument("--latency-budget", type=float, default=60.0, metavar="S", help="seconds for that search")
@@ -170,8 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     quant = commands.add_parser("quantize", help="FP32 model -> quantized, fixed, protected QDQ model")
     quant.add_argument("input", help="FP32 .onnx model")
     quant.add_argument("output", help="where to write the quantized model")
-    quant.add_argument("--calibration", metavar="DIR|synthetic", default=None,
-                       help="a folder of images, or 'synthetic' (default: self-calibration)")
+    quant.add_argument("--calibration", metavar="PATH|synthetic", default=None,
+                       help="a .npz (one array per input name, samples along the first axis), a folder of .npz files "
+                            "or of images, or 'synthetic' (default: self-calibration)")
     quant.add_argument("--samples", type=int, default=32, help="calibration samples (default 32)")
     quant.add_argument("--method", default=None, choices=["minmax", "percentile", "entropy", "mse"],
                        help="activation ranges (default: percentile for CNNs, minmax for transformers)")

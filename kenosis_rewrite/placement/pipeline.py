@@ -20,6 +20,7 @@ Order for ``ort-cpu`` (each step's module docstring states its transformation an
 
 from __future__ import annotations
 
+import os
 import warnings
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,6 +31,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter import RewritePass, RewriteRuleSet
 
+from kenosis_rewrite.calibration.feed_files import feeds_from_path, is_feed_path
 from kenosis_rewrite.core import model_io
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core import interleaved_timing
@@ -39,6 +41,7 @@ from kenosis_rewrite.placement.passes import output_quantizers
 from kenosis_rewrite.placement.passes.output_quantizers import QuantizeWeightedOutputsPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.placement.passes.pin_shapes import pinned_model
+from kenosis_rewrite.placement.opset_upgrade import needs_per_axis_upgrade, upgraded_for_per_axis
 from kenosis_rewrite.placement.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
 from kenosis_rewrite.core.report import FixReport, Refusal
 from kenosis_rewrite.graph.rule_filter import op_filtered
@@ -394,6 +397,37 @@ def _guard_applies(verify: bool | None, model: ir.Model, notes: list[str]) -> bo
     return False
 
 
+def _calibration_list(calibration, model: model_io.ModelLike) -> list | None:
+    """``calibration=`` as a list of feeds: feed dicts as given, or read from a path (a ``.npz``, a folder
+    of them or of images: :mod:`kenosis_rewrite.calibration.feed_files`)."""
+    if calibration is None:
+        return None
+    if not is_feed_path(calibration):
+        return list(calibration)
+    if isinstance(model, onnx.ModelProto):
+        graph = model
+    elif isinstance(model, ir.Model):
+        graph = ir.serde.serialize_model(model)
+    else:
+        graph = onnx.load(os.fspath(model), load_external_data=False)
+    return feeds_from_path(calibration, graph)
+
+
+def _loaded_input(model: model_io.ModelLike) -> tuple[model_io.ModelLike, model_io.LoadedModel, list[str]]:
+    """The input loaded for rewriting, and the notes on how; a per-channel QDQ model below opset 13
+    (invalid as written, refused by onnxruntime) is converted to opset 13 first (:mod:`.opset_upgrade`)."""
+    try:
+        return model, model_io.load(model, lazy=True), []
+    except InvalidModelError as error:
+        if not needs_per_axis_upgrade(error):
+            raise
+        upgraded, note = upgraded_for_per_axis(model, error)
+        loaded = model_io.load(upgraded, lazy=True)
+        if not isinstance(model, onnx.ModelProto):
+            loaded.returns = "ir" if isinstance(model, ir.Model) else loaded.returns
+        return upgraded, loaded, [note]
+
+
 def fix_loaded(
     model: model_io.ModelLike, *, target: str = "ort-cpu", float_model: model_io.ModelLike | None = None,
     calibration: Iterable[Mapping[str, np.ndarray]] | None = None, optimize_for: str | None = None,
@@ -409,20 +443,19 @@ def fix_loaded(
     _check_target(target)
     if optimize_for not in OPTIMIZE_FOR:
         raise KenosisError(f"optimize_for must be one of {OPTIMIZE_FOR}, got {optimize_for!r}")
-    calibration = list(calibration) if calibration is not None else None
+    calibration = _calibration_list(calibration, model)
     if bias_correction and (float_model is None or not calibration):
         raise KenosisError("bias_correction=True needs float_model= (the FP32 original) and calibration= feeds: "
                            "the correction is the mean difference between the two on that data")
     pinning = None
     if input_shapes:
         model, pinning = pinned_model(model, input_shapes, calibration)
-    first = model_io.load(model, lazy=True)
+    model, first, notes = _loaded_input(model)
     if model_io.ALREADY_FUSED_NOTE in first.notes:  # MatMulNBits form: what fix() would make; nothing to do
         report = FixReport(target=target)
         for note in first.notes:
             report.note(note)
         return first, report, None
-    notes: list[str] = []
     guarded = _guard_applies(verify, first.model, notes)
     # the whole model in memory as a proto: only for the steps that run it in ONNX Runtime
     in_memory = guarded or float_model is not None or bool(calibration) or optimize_for is not None
@@ -495,8 +528,10 @@ def fix(
         target: the runtime to place Q/DQ for (``"ort-cpu"``: ONNX Runtime CPU, x86).
         float_model: optional FP32 original; when given, the report carries the fidelity
             (cosine, max abs error) of the input and the fixed model against it.
-        calibration: optional feeds (iterable of ``{input_name: array}``) for that comparison;
-            random inputs when omitted.
+        calibration: optional real inputs: an iterable of ``{input_name: array}`` feeds, or a path to a
+            ``.npz`` (one array per input name, samples along the first axis), a folder of ``.npz``
+            files or a folder of images. They drive the run-time guard, the output quantizers a
+            quantizer left out, and the fidelity report; random inputs when omitted.
         return_report: return ``(model, FixReport)`` instead of the model alone.
         optimize_for: ``"latency"`` adds measured placement: layers that ORT CPU runs faster in
             float on this machine are returned to float (see

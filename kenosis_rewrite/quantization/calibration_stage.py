@@ -16,6 +16,7 @@ import onnx
 
 from kenosis_rewrite import calibration as calib
 from kenosis_rewrite.accuracy.weight_rounding import InputMoments
+from kenosis_rewrite.calibration.feed_files import feeds_from_path, is_feed_path
 from kenosis_rewrite.calibration.ort_static import ranges_the_quantizer_sets
 from kenosis_rewrite.calibration.output_extremes import mixed_output_concats, output_value_tensors
 from kenosis_rewrite.calibration.shared_scales import SAME_SCALE_OPS, shared_concat_ranges
@@ -42,28 +43,19 @@ class Calibrated:
 
 
 def calibration_feeds(model: onnx.ModelProto, calibration, samples: int, seed: int) -> tuple[list[dict], str]:
-    """``samples`` calibration feeds from ``calibration`` (feed dicts, a folder of images, or None /
-    ``"synthetic"``: made up), and a line saying where they came from."""
+    """``samples`` calibration feeds from ``calibration`` (feed dicts; a path: a ``.npz`` file, a folder
+    of them or of images, :mod:`kenosis_rewrite.calibration.feed_files`; None / ``"synthetic"``:
+    made up), and a line saying where they came from."""
     if calibration is None or (isinstance(calibration, str) and calibration == "synthetic"):
         feeds, sizes = calib.runnable_synthetic_feeds(model, samples, seed)
         return feeds, f"synthetic ({samples} samples{'; ' + sizes if sizes else ''})"
-    if isinstance(calibration, (str, os.PathLike)):
-        feeds = list(calib.image_feeds(model, sorted(p for p in _image_paths(calibration)), n=samples, seed=seed))
-        if not feeds:
-            raise KenosisError(f"no images found under {os.fspath(calibration)!r}")
-        return feeds, f"{len(feeds)} images from {os.fspath(calibration)}"
+    if is_feed_path(calibration):
+        feeds = feeds_from_path(calibration, model, samples, seed)
+        return feeds, f"{len(feeds)} samples from {os.fspath(calibration)}"
     feeds = [dict(f) for f in itertools.islice(iter(calibration), samples)]
     if not feeds:
         raise KenosisError("the calibration iterable is empty")
     return feeds, f"{len(feeds)} user feeds"
-
-
-def _image_paths(folder) -> list[str]:
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        raise KenosisError(f"calibration {folder!r} is neither 'synthetic' nor a folder of images")
-    suffixes = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-    return [os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(suffixes)]
 
 
 def _shared_concat_ranges(model: onnx.ModelProto, ranges, excluded, report: FixReport):
