@@ -223,3 +223,22 @@ def test_a_zipmap_output_is_a_typed_error_that_says_what_to_do(call):
     with pytest.raises(kenosis_rewrite.UnsupportedValueTypeError,
                        match=r"probabilities \(seq\(map\(int64, tensor\(float32\)\)\)\).*zipmap"):
         function()
+
+
+@pytest.mark.parametrize("entry", ["fix", "explain", "quantize"])
+def test_external_data_outside_the_model_folder_is_a_kenosis_error_naming_the_tensor(tmp_path, entry):
+    float_model = toy_models.build("conv_relu")
+    model = ort_quantize.quantize_with_ort(float_model, toy_models.random_feeds(float_model, 2), "u8s8")
+    if entry == "quantize":
+        model = float_model
+    (tmp_path / "sub").mkdir()
+    onnx.save(model, tmp_path / "sub" / "m.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
+    saved = onnx.load(tmp_path / "sub" / "m.onnx", load_external_data=False)
+    for tensor in saved.graph.initializer:
+        for entry_ in tensor.external_data:
+            if entry_.key == "location":
+                entry_.value = "../w.data"
+    (tmp_path / "sub" / "w.data").rename(tmp_path / "w.data")
+    onnx.save(saved, tmp_path / "sub" / "m.onnx")
+    with pytest.raises(kenosis_rewrite.InvalidModelError, match=r"external data .* cannot be read: .*tensor name: .*points outside"):
+        getattr(kenosis_rewrite, entry)(str(tmp_path / "sub" / "m.onnx"))

@@ -116,7 +116,8 @@ def _load_path(path: os.PathLike | str, lazy: bool) -> onnx.ModelProto | None:
     try:
         if external:
             onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
-    except (RuntimeError, ValueError, OSError) as error:
+    except (RuntimeError, ValueError, OSError, onnx.checker.ValidationError) as error:
+        # onnx refuses a location outside the model's folder with a ValidationError naming the tensor
         raise InvalidModelError(f"The external data of {path!r} cannot be read: {error}") from None
     return proto
 
