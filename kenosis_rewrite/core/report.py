@@ -7,6 +7,9 @@ import dataclasses
 import json
 
 
+GUARD_UNDO_REASON = "undone by the run-time guard"  # how a refusal says the guard took a rule's changes back
+
+
 @dataclasses.dataclass(frozen=True)
 class Change:
     """One applied rewrite: ``rule`` changed the graph at ``where``."""
@@ -69,7 +72,7 @@ class FixReport:
     def summary(self) -> str:
         lines = [f"kenosis_rewrite fix (target {self.target})"]
         if not self.changes:
-            lines.append("  no changes: the model already matches every rule of this target")
+            lines.append(f"  {self._no_changes_line()}")
         for rule, count in self.change_counts().items():
             lines.append(f"  {rule}: {count} change(s)")
         for rule, count in self.refusal_counts().items():
@@ -80,6 +83,16 @@ class FixReport:
             lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, SQNR {scores['sqnr_db']:.1f} dB, max abs {scores['max_abs']:.4g}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _no_changes_line(self) -> str:
+        """Why nothing changed, consistent with the lines below it: the guard's undo, candidates left
+        alone, or nothing to do at all."""
+        undone = sorted({r.rule for r in self.refusals if r.reason.startswith(GUARD_UNDO_REASON)})
+        if undone:
+            return f"no changes kept: the run-time guard undid {', '.join(undone)} (why below)"
+        if self.refusals:
+            return f"no changes: {len(self.refusals)} candidate(s) left alone (why below)"
+        return "no changes: the model already matches every rule of this target"
 
     def __str__(self) -> str:
         return self.summary()

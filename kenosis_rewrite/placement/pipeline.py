@@ -43,7 +43,7 @@ from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorAct
 from kenosis_rewrite.placement.passes.pin_shapes import pinned_model
 from kenosis_rewrite.placement.opset_upgrade import needs_per_axis_upgrade, upgraded_for_per_axis
 from kenosis_rewrite.placement.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
-from kenosis_rewrite.core.report import FixReport, Refusal
+from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
 from kenosis_rewrite.graph.rule_filter import op_filtered
 from kenosis_rewrite.placement.targets import TARGETS as _TARGETS
 from kenosis_rewrite.placement.targets import get_target
@@ -316,7 +316,7 @@ def _guarded_fix(
                 continue
             undone = ", ".join(sorted(disabled))
         retry_report.refusals[:0] = [
-            Refusal(rule, "whole model", f"undone by the run-time guard: {problem}") for rule in sorted(disabled or ())
+            Refusal(rule, "whole model", f"{GUARD_UNDO_REASON}: {problem}") for rule in sorted(disabled or ())
         ]
         retry_report.note(f"run-time guard: {problem}; undone: {undone}")
         if disabled is not None and retry_after is not None:
