@@ -26,10 +26,11 @@ import onnx_ir as ir
 
 from onnx_ir.passes import common as common_passes
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.graph import value_range
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.graph.dequantize import remove_qdq_pair
+from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
 
 __all__ = ["BLIND_COSINE", "DEFAULT_TOLERANCE", "Guard", "candidate_undos", "cosine_floor"]
 
@@ -80,9 +81,6 @@ def _unrounded_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     deleted Clip then shows as a systematic difference, one that drops a calibrated bound only on
     the few values beyond it. com.microsoft Q/DQ are read as the standard ones they compute (else a
     contrib-domain input would be its own reference, and the same model in the default domain not)."""
-    from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass  # noqa: PLC0415 - avoid an import cycle
-    from kenosis_rewrite.graph.dequantize import remove_qdq_pair  # noqa: PLC0415
-
     copy = ir.serde.deserialize_model(model)
     ContribQDQToStandardPass()(copy)
     names = qdq_params.NameAllocator(copy.graph)
@@ -111,20 +109,39 @@ class Guard:
         # made-up feeds: the dynamic dims at another size where the default size does not run
         sizes = [None] if given or not fidelity.has_dynamic_dims(self.model) else [None, *fidelity.OTHER_DYNAMIC_SIZES]
         self.unavailable = ""
+        self.levels_note = ""
         for size in sizes:
             self.feeds = given or fidelity.random_feeds(self.model, _FEEDS, size=size)
+            failure = self._run_input()
+            if failure is None:
+                self.unavailable = ""
+                self.input_cosines = _per_output_cosines(self.reference, self.input_optimized if self.input_optimized is not None else self.input_plain)
+                return
+            if not self.unavailable:  # the first failure says most (the default sizes)
+                self.unavailable = f"the run-time guard could not run the input model ({failure})"
+
+    def _run_input(self) -> str | None:
+        """The input's outputs at both optimization levels, or at the one where it runs, and the
+        reference's; why it runs at neither, or None."""
+        runs, failures = {}, []
+        for optimized in (True, False):
             try:
-                self.input_optimized = _outputs(self.model, self.feeds, optimized=True)
-                self.input_plain = _outputs(self.model, self.feeds, optimized=False)
-                reference_model = self.float_model if self.float_model is not None else _unrounded_reference(self.model)
-                self.reference = _outputs(reference_model, self.feeds, optimized=True)
-            except Exception as error:  # noqa: BLE001 - the input itself does not run: nothing to hold to
-                if not self.unavailable:  # the first failure says most (the default sizes)
-                    self.unavailable = f"the run-time guard could not run the input model ({str(error).splitlines()[0][:200]})"
-                continue
-            self.unavailable = ""
-            self.input_cosines = _per_output_cosines(self.reference, self.input_optimized)
-            return
+                runs[optimized] = _outputs(self.model, self.feeds, optimized=optimized)
+            except Exception as error:  # noqa: BLE001 - any ORT failure: that level is not checked
+                failures.append(str(error).splitlines()[0][:200])
+        if not runs:
+            return failures[0]
+        self.input_optimized, self.input_plain = runs.get(True), runs.get(False)
+        if failures:
+            level = "ORT_DISABLE_ALL" if self.input_plain is None else "ORT_ENABLE_ALL"
+            self.levels_note = (f"the run-time guard checked the model at one optimization level only: the input does not "
+                                f"run at {level} ({failures[0]})")
+        try:
+            reference_model = self.float_model if self.float_model is not None else _unrounded_reference(self.model)
+            self.reference = _outputs(reference_model, self.feeds, optimized=True)
+        except Exception as error:  # noqa: BLE001 - no reference: nothing to hold the rewrite to
+            return str(error).splitlines()[0][:200]
+        return None
 
     def blindness(self) -> str | None:
         """Why the guard's cosines say nothing about accuracy on data, or None: the feeds are made up
@@ -138,24 +155,30 @@ class Guard:
         return None
 
     def violation(self, model: onnx.ModelProto, report: FixReport) -> str | None:
-        """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None."""
+        """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None.
+        Checked at each optimization level the input runs at."""
         if self.unavailable:
             return None
-        try:
-            optimized = _outputs(model, self.feeds, optimized=True)
-            plain = _outputs(model, self.feeds, optimized=False)
-        except Exception as error:  # noqa: BLE001 - any ORT failure is the finding
-            return f"the rewritten model does not run in ONNX Runtime ({str(error).splitlines()[0][:300]})"
-        for before, after in zip(self.input_plain, plain):
+        runs = {}
+        for optimized, expected in ((True, self.input_optimized), (False, self.input_plain)):
+            if expected is None:
+                continue
+            try:
+                runs[optimized] = _outputs(model, self.feeds, optimized=optimized)
+            except Exception as error:  # noqa: BLE001 - any ORT failure is the finding
+                return f"the rewritten model does not run in ONNX Runtime ({str(error).splitlines()[0][:300]})"
+        optimized, plain = runs.get(True), runs.get(False)
+        for before, after in zip(self.input_plain if plain is not None else self.input_optimized,
+                                 plain if plain is not None else optimized):
             for index, (a, b) in enumerate(zip(before, after)):
                 if np.shape(a) != np.shape(b):
                     return f"output {index} changed shape: {np.shape(a)} -> {np.shape(b)}"
-        if report.changes and all(change.exact for change in report.changes):
+        if plain is not None and report.changes and all(change.exact for change in report.changes):
             for before, after in zip(self.input_plain, plain):
                 for a, b in zip(before, after):
                     if not np.array_equal(a, b, equal_nan=True):
                         return "every change claims exactness, yet the outputs differ from the input's"
-        cosines = _per_output_cosines(self.reference, optimized)
+        cosines = _per_output_cosines(self.reference, optimized if optimized is not None else plain)
         rules = {change.rule for change in report.changes}
         for index, (before, after) in enumerate(zip(self.input_cosines, cosines)):
             floor = cosine_floor(before, rules, self.tolerance)

@@ -289,9 +289,10 @@ def _guarded_fix(
     after = model_io.in_memory_proto(loaded.model)
     if after is None:
         return loaded, report, after
+    if guard.levels_note:
+        report.note(guard.levels_note)
     if guard.unavailable:
-        report.note(guard.unavailable)
-        return loaded, report, after
+        return _exact_only(model, loaded, report, after, target, guard, output_ranges)
     blind = guard.blindness()
     kept_out = frozenset(c.rule for c in report.changes if c.rule in UNVERIFIABLE_BLIND) if blind else frozenset()
     if kept_out:
@@ -329,6 +330,29 @@ def _guarded_fix(
             )
         return loaded, retry_report, retry_after
     raise AssertionError("unreachable")
+
+
+UNCHECKED_HINT = ("pass calibration= feeds the model runs on (or input_shapes= that pin its symbolic dims) so "
+                  "the guard can run it and check them")
+
+
+def _exact_only(
+    model: model_io.ModelLike, loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto, target: str,
+    guard: Guard, output_ranges: Mapping | None,
+) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """Where the guard cannot run the input, only rewrites proven bit-exact are applied: the rules
+    that made an approximate change are held back, and the report says which and how to lift that."""
+    held_back = frozenset(change.rule for change in report.changes if not change.exact)
+    if not held_back:
+        report.note(f"{guard.unavailable}; every change is exact, so none was held back")
+        return loaded, report, after
+    loaded, exact_report = _fix_once(model, target, held_back, output_ranges)
+    exact_report.refusals[:0] = [
+        Refusal(rule, "whole model", f"held back: not exact, and {guard.unavailable}") for rule in sorted(held_back)
+    ]
+    exact_report.note(f"{guard.unavailable}: only exact rewrites were applied; held back: {', '.join(sorted(held_back))} "
+                      f"({UNCHECKED_HINT})")
+    return loaded, exact_report, model_io.in_memory_proto(loaded.model)
 
 
 def _closing_round(
