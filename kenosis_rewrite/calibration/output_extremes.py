@@ -9,7 +9,7 @@ range of the class scores ended at 0.055, every box above nudenet's 0.25 thresho
 coordinates concatenated beside the scores dominate it.
 
 :func:`output_value_tensors` walks back from each graph output through ops that move values or
-map them monotonically one by one (``PASS_THROUGH_OPS``, and Add/Sub/Mul/Div by a constant), taking
+map them monotonically one by one (``ORDER_PRESERVING_OPS``, and Add/Sub/Mul/Div by a constant), taking
 every tensor it meets, up to and including the output of the first op of another kind (the head's
 Conv, Gemm or MatMul, whose output is the logits). quantize() calibrates those with their exact
 min/max whatever the method (:func:`~kenosis_rewrite.calibration.collect.collect_ranges`'s
@@ -29,17 +29,10 @@ from collections.abc import Collection, Mapping
 import onnx
 
 from kenosis_rewrite.core.model_io import constant_names
+from kenosis_rewrite.core.op_tables import ORDER_PRESERVING_OPS
 
-__all__ = ["NATURAL_RANGES", "PASS_THROUGH_OPS", "mixed_output_concats", "output_value_tensors"]
+__all__ = ["NATURAL_RANGES", "mixed_output_concats", "output_value_tensors"]
 
-# each output value is an input value, or a monotone function of one input value alone
-PASS_THROUGH_OPS = frozenset({
-    # data movement
-    "Concat", "Split", "Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Gather", "Expand",
-    "Tile", "Identity", "Cast", "Dropout", "MaxPool", "GlobalMaxPool",
-    # monotone, value by value (Softmax and LogSoftmax keep each row's order)
-    "Sigmoid", "Tanh", "Relu", "LeakyRelu", "Clip", "HardSigmoid", "Softmax", "LogSoftmax", "Exp", "Elu", "Selu",
-})
 _AFFINE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
 # the range every output of these ops lies in, whatever their input
 NATURAL_RANGES = {"Sigmoid": (0.0, 1.0), "HardSigmoid": (0.0, 1.0), "Softmax": (0.0, 1.0), "Tanh": (-1.0, 1.0)}
@@ -47,7 +40,7 @@ NATURAL_RANGES = {"Sigmoid": (0.0, 1.0), "HardSigmoid": (0.0, 1.0), "Softmax": (
 
 def output_value_tensors(model: onnx.ModelProto) -> dict[str, tuple[float, float] | None]:
     """The tensors of ``model``'s main graph whose values reach a graph output through
-    ``PASS_THROUGH_OPS`` and affine steps by constants (the graph outputs included), each -> its
+    ``ORDER_PRESERVING_OPS`` and affine steps by constants (the graph outputs included), each -> its
     producer's range from ``NATURAL_RANGES``, or None (its calibrated min/max)."""
     graph = model.graph
     constants = constant_names(model)
@@ -69,7 +62,7 @@ def output_value_tensors(model: onnx.ModelProto) -> dict[str, tuple[float, float
 def _carried(node: onnx.NodeProto, constants: Collection[str]) -> list[str]:
     """The inputs whose values a standard ``node`` carries to its output (moved, or mapped one by one):
     none for any other op (a Conv's output is its own)."""
-    if node.op_type in PASS_THROUGH_OPS:
+    if node.op_type in ORDER_PRESERVING_OPS:
         # the data input (Slice's starts, Reshape's shape, Clip's bounds are constants or shapes)
         return list(node.input[:1] if node.op_type != "Concat" else node.input)
     if node.op_type in _AFFINE_OPS:

@@ -13,16 +13,16 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
+from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.diagnosis.ort_graph import FLOAT_HEAVY_OPS, node_input
+from kenosis_rewrite.graph import qdq_params, value_range
 
 # Float activations ORT CPU has no QLinear kernel for (they stay float islands in a QDQ graph).
 NO_INTEGER_KERNEL_ACTIVATIONS = frozenset(
     {"HardSwish", "HardSigmoid", "PRelu", "Gelu", "Erf", "Div", "Tanh", "Elu", "Selu", "Softplus", "Mish"}
 )
 # Activations ORT absorbs into QLinearConv/QLinearMatMul/QGemm when the next Q makes them redundant.
-ABSORBABLE_ACTIVATIONS = ("Relu", "Clip")
+ABSORBABLE_ACTIVATIONS = op_tables.ORT_ABSORBED_ACTIVATIONS
 # Heavy ops ORT fuses without an output Q (MatMulIntegerToFloat, QGemm with float output).
 FLOAT_OUTPUT_OK = frozenset({"MatMul", "Gemm"})
 # Heavy ops ORT CPU never fuses from QDQ (measured: DQ -> ConvTranspose -> Q stays float).

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.core import ort_sessions
+from kenosis_rewrite.core import op_tables, ort_sessions
 from kenosis_rewrite.errors import RuntimeMeasurementError
 
 # Optimized-graph op types that run the heavy op's arithmetic in integers.
@@ -39,7 +39,7 @@ INTEGER_KERNELS = frozenset(
     }
 )
 # Input-graph op types counted as heavy ops. Integer ones only occur in QOperator/dynamic models.
-FLOAT_HEAVY_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+FLOAT_HEAVY_OPS = op_tables.WEIGHTED_OPS
 HEAVY_OPS = frozenset(FLOAT_HEAVY_OPS) | INTEGER_KERNELS
 # Optimized-graph op types that may be the float form of a heavy op.
 FLOAT_HEAVY_KERNELS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul"})
@@ -50,7 +50,7 @@ TRIVIAL_OPS = frozenset(
         "ReorderOutput", "Shape", "Constant", "Cast", "Gather", "Slice", "Concat", "Split", "Expand",
     }
 )
-QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+QDQ_OPS = frozenset({op_tables.QUANTIZE, op_tables.DEQUANTIZE})
 
 
 def node_input(node: ir.Node, index: int) -> ir.Value | None:

@@ -27,10 +27,10 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
-from kenosis_rewrite.graph.pass_base import remove_unused_nodes
+from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.graph.pass_base import remove_unused_nodes
 
 RULE_NAME = "return-to-float"
 
@@ -120,11 +120,18 @@ def _pass_through_chain(value: ir.Value) -> list[ir.Node]:
     return chain if chain and qdq_params.is_dequantize(producer) else []
 
 
+CLIP_INPUTS_OPSET = 11  # Clip's bounds are inputs from opset 11, attributes before
+
+
 def _new_clamp(graph: ir.Graph, value: ir.Value, lo: float | None, hi: float | None, dtype, base: str,
                names: qdq_params.NameAllocator) -> ir.Node:
     name = names.fresh(f"{base}_clamp")
     if lo == 0.0 and hi is None:
         clamp = ir.Node("", "Relu", [value], name=name)
+    elif graph.opset_imports.get("", CLIP_INPUTS_OPSET) < CLIP_INPUTS_OPSET:  # Clip-6: bounds as float attributes
+        bounds = {key: float(bound) for key, bound in (("min", lo), ("max", hi)) if bound is not None}
+        clamp = ir.Node("", "Clip", [value], attributes=[ir.AttrFloat32(key, bound) for key, bound in bounds.items()],
+                        name=name)
     else:
         bounds: list[ir.Value | None] = []
         for bound, suffix in ((lo, "clip_min"), (hi, "clip_max")):
@@ -274,7 +281,7 @@ def _float_source_readable(quantize: ir.Node | None, float_nodes: set[int]) -> b
     if qdq_params.is_dequantize(source):
         return False  # a requantization chain: no float value of its own to read
     # the float output of an integer Conv/MatMul does not exist in ORT's fused graph
-    return _is_float_side(source, float_nodes) or source.op_type not in qdq_params.WEIGHTED_OPS
+    return _is_float_side(source, float_nodes) or source.op_type not in op_tables.WEIGHTED_OPS
 
 
 def _keep_float_for_ort(node: ir.Node, original_inputs: list[ir.Value | None], float_nodes: set[int]) -> str:
@@ -311,7 +318,7 @@ class FloatRegionsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         wanted = set(self.names)
-        chosen = [n for n in model.graph if n.name in wanted and n.op_type in qdq_params.WEIGHTED_OPS]
+        chosen = [n for n in model.graph if n.name in wanted and n.op_type in op_tables.WEIGHTED_OPS]
         # all of them float from the start: a pair shared by two float layers goes, whatever their order
         float_nodes: set[int] = {id(node) for node in chosen}
         names = qdq_params.NameAllocator(model.graph)

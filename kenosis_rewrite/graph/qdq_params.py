@@ -8,8 +8,13 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite.core.op_tables import DEFAULT_DOMAINS, DEQUANTIZE, PER_AXIS_OPSET, QUANTIZE
-
+from kenosis_rewrite.core.op_tables import (  # noqa: F401 - WEIGHTED_OPS re-exported: it was defined here
+    DEFAULT_DOMAINS,
+    DEQUANTIZE,
+    PER_AXIS_OPSET,
+    QUANTIZE,
+    WEIGHTED_OPS,
+)
 
 # Integer ranges of the quantized types the rules understand. Other types (float8, ...) are
 # left untouched by every rule, which then refuses with a reason.
@@ -22,7 +27,6 @@ INTEGER_RANGES: dict[ir.DataType, tuple[int, int]] = {
     ir.DataType.INT4: (-8, 7),
 }
 EIGHT_BIT = (ir.DataType.UINT8, ir.DataType.INT8)
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
 def is_op(node: ir.Node | None, op_type: str) -> bool:
@@ -268,7 +272,7 @@ def default_opset(owner: ir.Model | ir.Graph) -> int:
 
 def constant_maker(op, fresh, base: str):
     """``make(values, dtype, suffix)`` -> a new initializer value named ``fresh(f"{base}_{suffix}")``, for a
-    rule's ``rewrite(op, ...)`` (``fresh``: e.g. ``NamingRule.fresh_name`` bound to the graph)."""
+    rule's ``rewrite(op, ...)`` (``fresh``: e.g. ``ReportingRule.fresh_name`` bound to the graph)."""
 
     def make(values, dtype, suffix: str) -> ir.Value:
         name = fresh(f"{base}_{suffix}")

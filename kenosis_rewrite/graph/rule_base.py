@@ -1,28 +1,97 @@
-"""The bases of kenosis's rewrite rules: fresh names for what a rewrite adds, and reporting.
+"""The one base of kenosis's rewrite rules: pure checks, fresh names for what a rewrite adds, and the report.
 
-:class:`NamingRule` names new initializers and nodes with one :class:`~kenosis_rewrite.graph.qdq_params.NameAllocator`
-per graph and application of the rule (built on the first name asked for, dropped when the
-application ends), so N rewrites scan the graph once rather than N times. onnxscript skips a new
-initializer whose name already exists, so the names must be fresh.
+Every rule of :mod:`kenosis_rewrite.placement.rules` and :mod:`kenosis_rewrite.canonicalization.rules` derives
+from :class:`ReportingRule`, an onnxscript ``RewriteRuleClassBase``:
 
-A :class:`ReportingRule` *refuses* a match it declines for a reason the user should see (the report lists it, and
-the match fails), *accepts* one (earlier refusals at that place are forgotten: another rule or an
-earlier rewrite resolved them) and *records* each change it makes, exact or not.
+* ``check()`` is pure: it returns an onnxscript ``MatchResult`` (success, or ``.fail(reason)``) and writes
+  nothing. A decision the report should show names its site: :func:`refusal` (a failure listed as a
+  refusal at that site) and :func:`acceptance` (a success that forgets the rule's earlier refusals there:
+  another rule or an earlier rewrite resolved them) return such results. A plain ``MatchResult`` is a
+  decision the report does not show.
+* :meth:`ReportingRule.rule` hands onnxscript a condition function that calls ``check()`` and books
+  what it returned into the rule's report (None: nothing is booked, the rule matches the same).
+* ``rewrite()`` may write: :meth:`ReportingRule.record` lists each change it makes, exact or not.
+* :meth:`ReportingRule.fresh_name` names new initializers and nodes with one
+  :class:`~kenosis_rewrite.graph.qdq_params.NameAllocator` per graph and application of the rule (built
+  on the first name asked for, dropped when the application ends), so N rewrites scan the graph once
+  rather than N times. onnxscript skips a new initializer whose name already exists, so the names
+  must be fresh.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
 
-__all__ = ["NamingRule", "ReportingRule"]
+__all__ = ["ReportingRule", "SiteResult", "acceptance", "refusal"]
 
 
-class NamingRule(RewriteRuleClassBase):
-    """``RewriteRuleClassBase`` whose rewrites name what they add with :meth:`fresh_name`."""
+class SiteResult(MatchResult):
+    """An onnxscript ``MatchResult`` that names the site (``where``) a rule decided on, so that the
+    rule base can book the decision in the report (:meth:`ReportingRule.book`)."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+
+
+def refusal(where: str, reason: str) -> MatchResult:
+    """A failed match the report lists as a refusal of the rule at ``where``, for ``reason``."""
+    return SiteResult(where).fail(reason)
+
+
+def acceptance(where: str) -> MatchResult:
+    """A successful match at ``where``; the rule's refusals booked there before are forgotten."""
+    return SiteResult(where)
+
+
+class ReportingRule(RewriteRuleClassBase):
+    """``RewriteRuleClassBase`` with a report (None: nothing is recorded, the rule behaves the same)
+    and fresh names; see the module docstring."""
+
+    def __init__(self, name: str | None = None, report: FixReport | None = None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.report = report
+
+    @classmethod
+    def rule(cls, *args, **kwargs) -> RewriteRule:
+        """The onnxscript ``RewriteRule`` of a new instance, as ``RewriteRuleClassBase.rule`` builds it but
+        with :meth:`checked` as its condition: ``check()``'s decisions reach the report from there."""
+        instance = cls(*args, **kwargs)
+        return RewriteRule(
+            instance.pattern,
+            instance.rewrite,
+            instance.checked,
+            name=instance.name,
+            remove_nodes=instance.remove_nodes,
+            graph_pre_visitor=instance.setup,
+            graph_post_visitor=instance.cleanup,
+            as_function=instance.as_function,
+        )
+
+    def checked(self, context, **bindings):
+        """The condition onnxscript calls: ``check()``, then :meth:`book` of what it returned."""
+        result = self.check(context, **bindings)
+        self.book(result)
+        return result
+
+    def book(self, result) -> None:
+        """Write a :class:`SiteResult` into the report: a failure as a refusal at its site, a success by
+        forgetting the rule's refusals there. Other results (plain ``MatchResult``, bool) are not booked."""
+        if self.report is None or not isinstance(result, SiteResult):
+            return
+        if result:
+            self.report.forget_refusals_at(self.name, result.where)
+        else:
+            self.report.refused(self.name, result.where, result.reason)
+
+    def record(self, where: str, detail: str, exact: bool) -> None:
+        """List one change made at ``where`` in the report (called by ``rewrite()``)."""
+        if self.report is not None:
+            self.report.changed(self.name, where, detail, exact=exact)
 
     def setup(self) -> None:
         """Called by onnxscript before the rule visits a graph: no allocator survives from another application."""
@@ -34,8 +103,9 @@ class NamingRule(RewriteRuleClassBase):
 
     def fresh_name(self, graph: ir.Graph | None, base: str) -> str:
         """``base`` or ``base_N``: a name no value, initializer or node of ``graph`` had when this rule first
-        named something in it during this application, none handed out since, and no initializer has now (other rules of the set add initializers
-        while this one runs; ``graph.initializers`` is a dict, so that check stays cheap)."""
+        named something in it during this application, none handed out since, and no initializer has now
+        (other rules of the set add initializers while this one runs; ``graph.initializers`` is a dict, so
+        that check stays cheap)."""
         if graph is None:
             return base
         allocators = self.__dict__.setdefault("_allocators", {})
@@ -45,28 +115,3 @@ class NamingRule(RewriteRuleClassBase):
         while name in graph.initializers:
             name = allocators[id(graph)].fresh(base)
         return name
-
-
-class ReportingRule(NamingRule):
-    """``RewriteRuleClassBase`` with a report (None: nothing is recorded, the rule behaves the same)."""
-
-    def __init__(self, name: str, report: FixReport | None = None, **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.report = report
-
-    def refuse(self, where: str, reason: str) -> MatchResult:
-        """Fail the match for ``reason`` and list it in the report as a refusal at ``where``."""
-        if self.report is not None:
-            self.report.refused(self.name, where, reason)
-        return MatchResult().fail(reason)
-
-    def accept(self, where: str) -> MatchResult:
-        """A successful match at ``where``; refusals recorded there before are forgotten."""
-        if self.report is not None:
-            self.report.forget_refusals_at(self.name, where)
-        return MatchResult()
-
-    def record(self, where: str, detail: str, exact: bool) -> None:
-        """List one change made at ``where`` in the report."""
-        if self.report is not None:
-            self.report.changed(self.name, where, detail, exact=exact)

@@ -2,7 +2,7 @@
 
 Rules need three facts, and each used to have its own partial answer:
 
-* **Which ops only move values** (``PASS_THROUGH_OPS``, and Resize/Upsample in nearest mode): every
+* **Which ops only move values** (``op_tables.VALUE_SELECTING_OPS``, and Resize/Upsample in nearest mode): every
   output element is an element of the first input (selection, layout, max/min, nearest-neighbour
   resampling). Their outputs take only values of the input.
 * **The bounds of a Clip or Relu** (:func:`activation_bounds`): Clip's bounds are inputs from
@@ -28,24 +28,14 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from kenosis_rewrite.core.op_tables import DEFAULT_DOMAINS, VALUE_SELECTING_OPS
 from kenosis_rewrite.graph import qdq_params
 
 __all__ = [
-    "PASS_THROUGH_OPS", "Interval", "activation_bounds", "bounds", "can_be_negative", "quantizer_range",
+    "Interval", "activation_bounds", "bounds", "can_be_negative", "quantizer_range",
     "quantizer_clamp", "implied_clamp", "is_pass_through", "absorbed_by_quantizer", "DELETED_ACTIVATION_KEY",
     "mark_deleted_activation", "round_range_bounds",
 ]
-
-_DEFAULT_DOMAINS = ("", "ai.onnx")
-
-# Ops whose every output value is one of the values of their first input.
-PASS_THROUGH_OPS = frozenset(
-    {
-        "MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze",
-        "Slice", "Gather", "GatherElements", "GatherND", "Expand", "Tile", "Identity",
-        "DepthToSpace", "SpaceToDepth", "ReduceMax", "ReduceMin", "Split",
-    }
-)
 
 # Ops that only move values in one mode: nearest-neighbour resampling copies input elements
 # (linear/cubic interpolate between them, and cubic can overshoot).
@@ -82,12 +72,12 @@ class Interval:
 
 def is_pass_through(node: ir.Node | None) -> bool:
     """True when every value ``node``'s first output holds is a value of its first input."""
-    if node is None or node.domain not in _DEFAULT_DOMAINS:
+    if node is None or node.domain not in DEFAULT_DOMAINS:
         return False
     if node.op_type in _NEAREST_RESAMPLING_OPS:
         if node.attributes.get_string("mode", "nearest") != "nearest":
             return False
-    elif node.op_type not in PASS_THROUGH_OPS:
+    elif node.op_type not in VALUE_SELECTING_OPS:
         return False
     if node.op_type == "MaxPool" and len(node.outputs) > 1 and node.outputs[1].uses():
         return False  # the Indices output is not a value of the input
@@ -195,7 +185,7 @@ def _bounds(value: ir.Value, depth: int, seen: dict) -> Interval:
             return Interval(*_UNBOUNDED)
         return Interval(float(np.min(constant)), float(np.max(constant)))
     node = value.producer()
-    if node is None or node.domain not in _DEFAULT_DOMAINS:
+    if node is None or node.domain not in DEFAULT_DOMAINS:
         return Interval(*_UNBOUNDED)
     op, below = node.op_type, depth - 1
 

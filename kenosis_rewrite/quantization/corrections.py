@@ -33,7 +33,7 @@ from kenosis_rewrite.placement.rules.integer_matmul_bias import RULE_NAME as INT
 from kenosis_rewrite.quantization.calibration_stage import Calibrated
 from kenosis_rewrite.quantization.configuration import Configuration
 from kenosis_rewrite.quantization.graph_preparation import QuantizableGraph, mark_deleted_activations, unmark
-from kenosis_rewrite.quantization.plan import WEIGHTED_OPS, WEIGHTED_PLANS
+from kenosis_rewrite.quantization.plan import WEIGHTED_PLAN_OPS, WEIGHTED_PLANS
 from kenosis_rewrite.quantization.settings import (
     CORRECTION_CHECK_FEEDS,
     CORRECTION_ERROR_GROWTH,
@@ -68,7 +68,7 @@ def placed(qdq: onnx.ModelProto, graph: QuantizableGraph, config: Configuration,
     planned_float = (OUTPUT_QUANTIZERS,) if config.plan in WEIGHTED_PLANS else ()
     FixPass(settings.target, report, disabled=DEFERRED_RULES + planned_float)(model)
     if config.plan in WEIGHTED_PLANS:
-        FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_OPS)(model)
+        FloatReadersReadFloatPass(report, integer_ops=WEIGHTED_PLAN_OPS)(model)
     if settings.protect_outputs:
         OutputProtectionPass(report, float_graph=graph.prepared.graph, quantized_nodes=quantized_nodes)(model)
         # on the int8 targets, the pair after data movement that now ends where the output's Q/DQ

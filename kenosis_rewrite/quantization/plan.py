@@ -40,7 +40,7 @@ PLANS = ("auto", "full", "weighted", "weighted-static")
 WEIGHTED_PLANS = ("weighted", "weighted-static")
 # the ops the weighted plan quantizes; ORT CPU has integer kernels with float output for them, so
 # their outputs get no quantizer
-WEIGHTED_OPS = ("MatMul", "Gemm")
+WEIGHTED_PLAN_OPS = ("MatMul", "Gemm")
 
 
 def attention_matmuls(model: onnx.ModelProto) -> list[str]:
@@ -98,7 +98,7 @@ def plan_options(model: onnx.ModelProto, plan: str) -> dict:
     # both weighted plans calibrate: the static one keeps the ranges, the dynamic one gives them up
     # at the end (bias correction and the FP32 fallbacks read the QDQ form first)
     return {
-        "op_types_to_quantize": list(WEIGHTED_OPS),
+        "op_types_to_quantize": list(WEIGHTED_PLAN_OPS),
         "nodes_to_exclude": attention_matmuls(model),
-        "extra_options": {"OpTypesToExcludeOutputQuantization": list(WEIGHTED_OPS)},
+        "extra_options": {"OpTypesToExcludeOutputQuantization": list(WEIGHTED_PLAN_OPS)},
     }

@@ -32,7 +32,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph.rule_base import NamingRule
+from kenosis_rewrite.core.op_tables import AFFINE_OPS
+from kenosis_rewrite.graph.rule_base import ReportingRule
 
 __all__ = ["channel_affine_rules", "channel_vector"]
 
@@ -76,7 +77,7 @@ def _tensor_like(values: np.ndarray, like: ir.Value, name: str) -> ir.Tensor:
     return ir.Tensor(values.astype(like.const_value.numpy().dtype), name=name)
 
 
-class _AffineAfter(NamingRule):
+class _AffineAfter(ReportingRule):
     """``Producer(x, W[, B]) -> Op(., constant)``: the affine moves into W and B."""
 
     def __init__(self, producer: str, affine: str):
@@ -148,7 +149,7 @@ class _AffineAfter(NamingRule):
         return getattr(op, self.producer)(x, new_weights, new_bias, **attributes)
 
 
-class _AffineBeforeConv(NamingRule):
+class _AffineBeforeConv(ReportingRule):
     """``Op(x, constant) -> Conv(., W[, B])``: the per-input-channel affine moves into W or B."""
 
     def __init__(self, affine: str):
@@ -217,7 +218,6 @@ class _AffineBeforeConv(NamingRule):
 
 def channel_affine_rules() -> RewriteRuleSet:
     """Every fold of this module; Mul/Add also match with the constant first."""
-    affines = ("Mul", "Div", "Add", "Sub")
-    after = [_AffineAfter.rule(producer, affine) for producer in ("Conv", "Gemm") for affine in affines]
-    before = [_AffineBeforeConv.rule(affine) for affine in affines]
+    after = [_AffineAfter.rule(producer, affine) for producer in ("Conv", "Gemm") for affine in AFFINE_OPS]
+    before = [_AffineBeforeConv.rule(affine) for affine in AFFINE_OPS]
     return RewriteRuleSet(after + before, commute=True)

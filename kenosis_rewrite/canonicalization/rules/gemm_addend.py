@@ -24,10 +24,11 @@ Left alone: constant ``C`` (a bias, which quantize_static makes int32), ``beta !
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule
 
 __all__ = ["GemmComputedAddendToAdd", "gemm_addend_rules", "RULE_NAME"]
 
@@ -35,12 +36,11 @@ RULE_NAME = "split-gemm-computed-addend"
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 
 
-class GemmComputedAddendToAdd(RewriteRuleClassBase):
+class GemmComputedAddendToAdd(ReportingRule):
     """``Gemm(A, B, C)`` with a computed ``C`` ==> ``Add(Gemm(A, B), C)``; see the module docstring."""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=RULE_NAME)
-        self.report = report
+        super().__init__(RULE_NAME, report)
 
     def pattern(self, op, a, b, c):
         return op.Gemm(a, b, c, _outputs=["product"])
@@ -60,9 +60,8 @@ class GemmComputedAddendToAdd(RewriteRuleClassBase):
 
     def rewrite(self, op, a, b, c, product, **_):
         gemm = product.producer()
-        if self.report is not None:
-            self.report.changed(RULE_NAME, gemm.name or str(product.name),
-                                "computed addend C moved out of the Gemm into an Add (quantizable)", exact=True)
+        self.record(gemm.name or str(product.name), "computed addend C moved out of the Gemm into an Add (quantizable)",
+                    exact=True)
         attributes = {name: gemm.attributes[name].value for name in ("alpha", "transA", "transB") if name in gemm.attributes}
         return op.Add(op.Gemm(a, b, **attributes), c)
 

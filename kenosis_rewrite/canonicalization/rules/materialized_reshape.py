@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule
 
 __all__ = ["MATERIALIZE_RESHAPE_RULE_NAME", "materialized_reshape_rules"]
 
@@ -40,7 +41,7 @@ def _opset(value: ir.Value) -> int:
     return qdq_params.default_opset(graph) if graph is not None else _ALLOWZERO_OPSET
 
 
-class MaterializeReshapeShapeAnyOpset(RewriteRuleClassBase):
+class MaterializeReshapeShapeAnyOpset(ReportingRule):
     def pattern(self, op, data, shape):
         return op.Reshape(data, shape, _outputs=["reshaped"])
 

@@ -3,7 +3,8 @@
 ORT's session-time fusions match ``Add`` only; a two-input ``Sum`` is the same IEEE addition with
 the same broadcasting (from opset 8), so writing it keeps ORT's hands off. Two places pay:
 
-**1. Residual Adds read by a layer norm** (``residual-add-as-sum``). Transformation (``a`` and ``b`` both computed, not constants; the Add's output read by a layer norm,
+**1. Residual Adds read by a layer norm** (``residual-add-as-sum``). Transformation (``a`` and ``b`` both
+computed, not constants; the Add's output read by a layer norm,
 as ``LayerNormalization`` or as the decomposed ``ReduceMean -> Sub`` that ORT's LayerNormFusion
 turns into one)::
 
@@ -42,10 +43,11 @@ Left alone by both: non-float Adds (Sum is defined for float types only), opsets
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule
 
 __all__ = ["ResidualAddAsSum", "MatMulBiasAsSum", "residual_sum_rules", "RULE_NAME", "MATMUL_BIAS_RULE_NAME"]
 
@@ -81,15 +83,14 @@ def _sum_refusal(a: ir.Value, b: ir.Value, added: ir.Value) -> str | None:
     return None
 
 
-class _AddAsSum(RewriteRuleClassBase):
+class _AddAsSum(ReportingRule):
     """``Add(a, b)`` ==> ``Sum(a, b)`` where :meth:`_refusal` finds nothing against it. Exact."""
 
     rule_name = ""
     detail = ""
 
     def __init__(self, report: FixReport | None = None):
-        super().__init__(name=self.rule_name)
-        self.report = report
+        super().__init__(self.rule_name, report)
 
     def pattern(self, op, a, b):
         return op.Add(a, b, _outputs=["added"])
@@ -103,8 +104,7 @@ class _AddAsSum(RewriteRuleClassBase):
         return MatchResult().fail(refusal) if refusal else MatchResult()
 
     def rewrite(self, op, a, b, added, **_):
-        if self.report is not None:
-            self.report.changed(self.rule_name, added.producer().name or str(added.name), self.detail, exact=True)
+        self.record(added.producer().name or str(added.name), self.detail, exact=True)
         return op.Sum(a, b)
 
 

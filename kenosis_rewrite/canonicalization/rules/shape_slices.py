@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleSet
+
+from kenosis_rewrite.graph.rule_base import ReportingRule
 
 __all__ = ["shape_slice_rules", "static_dim_rules"]
 
@@ -41,7 +43,7 @@ def _single_int(value: ir.Value | None) -> int | None:
     return int(value.const_value.numpy().reshape(-1)[0])
 
 
-class SliceOfShape(RewriteRuleClassBase):
+class SliceOfShape(ReportingRule):
     def pattern(self, op, x, starts, ends):
         return op.Slice(op.Shape(x, _outputs=["dims"]), starts, ends, _allow_other_inputs=True, _outputs=["sliced"])
 
@@ -77,7 +79,7 @@ def _shape_read(x: ir.Value, shape_node: ir.Node) -> list:
     return list(x.shape)[max(0, start):min(rank, end)]
 
 
-class GatherOfShape(RewriteRuleClassBase):
+class GatherOfShape(ReportingRule):
     def __init__(self):
         # the Shape stays for its other readers (the height and the width Gathered from one Shape)
         super().__init__(remove_nodes=False)
@@ -110,7 +112,7 @@ class GatherOfShape(RewriteRuleClassBase):
         return op.Constant(value=ir.tensor(self._dims(x, indices, dims, gathered)))
 
 
-class SliceOfStaticDims(RewriteRuleClassBase):
+class SliceOfStaticDims(ReportingRule):
     """``Slice(Shape(x), s, e)`` of static dims as their values, in every opset (Shape has no bounds
     before 15, so :class:`SliceOfShape` cannot help there)."""
 

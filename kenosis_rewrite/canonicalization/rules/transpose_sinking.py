@@ -29,7 +29,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph.rule_base import NamingRule
+from kenosis_rewrite.graph.rule_base import ReportingRule
 
 __all__ = ["transpose_sinking_rules", "UNARY_ELEMENTWISE"]
 
@@ -51,7 +51,7 @@ def _permutation(node: ir.Node) -> list[int] | None:
     return list(reversed(range(rank))) if rank is not None else None
 
 
-class _SinkPastUnary(NamingRule):
+class _SinkPastUnary(ReportingRule):
     def __init__(self, op_type: str):
         self.op_type = op_type
         super().__init__(f"sink-transpose-past-{op_type.lower()}")
@@ -76,7 +76,7 @@ class _SinkPastUnary(NamingRule):
         return op.Transpose(moved, **transposed.producer().attributes)
 
 
-class _SinkPastBinary(NamingRule):
+class _SinkPastBinary(ReportingRule):
     def __init__(self, op_type: str, constant_first: bool):
         self.op_type, self.constant_first = op_type, constant_first
         super().__init__(f"sink-transpose-past-{op_type.lower()}{'-reversed' if constant_first else ''}")

@@ -1,7 +1,7 @@
 """Move a Relu/Clip/LeakyRelu in front of the data-movement op it follows, when that op reads an int8 DQ.
 
 Transformation, for a pass-through op P (Reshape, Transpose, Slice, MaxPool, ...;
-:data:`kenosis_rewrite.graph.value_range.PASS_THROUGH_OPS`) and an activation A in {Relu, Clip, LeakyRelu}::
+:data:`kenosis_rewrite.core.op_tables.VALUE_SELECTING_OPS`) and an activation A in {Relu, Clip, LeakyRelu}::
 
     DQ(int8) -> P -> A -> ...     ==>     DQ(int8) -> A -> P -> ...
 
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
+from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.pass_base import ReportingPass
 
 RULE_NAME = "activation-before-data-movement"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.pass_base import ReportingPass
 
@@ -40,7 +41,7 @@ def _is_weight_use(node: ir.Node, index: int) -> bool:
     """A weight slot, directly or through Identity nodes (a weight shared by several layers)."""
     if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
         return any(_is_weight_use(user, slot) for user, slot in node.outputs[0].uses())
-    return index == 1 and node.op_type in qdq_params.WEIGHTED_OPS and node.domain in ("", "ai.onnx")
+    return index == 1 and node.op_type in op_tables.WEIGHTED_OPS and node.domain in ("", "ai.onnx")
 
 
 def _set_input(node: ir.Node, index: int, value: ir.Value | None) -> None:

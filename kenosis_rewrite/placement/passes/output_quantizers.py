@@ -56,14 +56,13 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from kenosis_rewrite.core import fidelity, op_tables
 from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.graph.pass_base import ReportingPass
 from kenosis_rewrite.placement.passes.qdq_propagation import commutes_with_qdq
 from kenosis_rewrite.placement.rules.conv_affine_folding import conv_affine
 
 RULE_NAME = "quantize-weighted-outputs"
-_PASSING_ACTIVATIONS = ("Relu", "Clip")  # ORT folds these between the op and its Q
 _HARDSWISH_ZERO_BELOW = -3.0  # HardSwish(x) = x * clip(x / 6 + 1 / 2, 0, 1) = 0 for x <= -3
 
 
@@ -113,7 +112,7 @@ def _reaches_quantizer(value: ir.Value) -> bool:
     for user, _ in value.uses():
         if qdq_params.is_quantize(user):
             return True
-        if user.op_type in _PASSING_ACTIVATIONS and any(qdq_params.is_quantize(u) for u, _ in user.outputs[0].uses()):
+        if user.op_type in op_tables.ORT_ABSORBED_ACTIVATIONS and any(qdq_params.is_quantize(u) for u, _ in user.outputs[0].uses()):
             return True
     return False
 
@@ -160,7 +159,7 @@ def sites(graph: ir.Graph) -> list[Site]:
     (NNCF leaves Concat outputs float; ORT fuses DQs -> Concat -> Q into QLinearConcat)."""
     found, seen = [], set()
     for node in graph:
-        if node.op_type not in qdq_params.WEIGHTED_OPS or node.domain not in qdq_params.DEFAULT_DOMAINS or not _has_weight(node):
+        if node.op_type not in op_tables.WEIGHTED_OPS or node.domain not in qdq_params.DEFAULT_DOMAINS or not _has_weight(node):
             continue
         like = _dequantized_params(node.inputs[0])
         concat = _concat_of_dequantized(node.inputs[0]) if like is None else None
@@ -455,7 +454,7 @@ def _fused_producer(value: ir.Value) -> bool:
     """Whether ``value`` comes from a weighted op directly or through Relu/Clip each read once: what
     ORT fuses with the Q after it."""
     node = value.producer()
-    while node is not None and node.op_type in _PASSING_ACTIVATIONS and node.domain in qdq_params.DEFAULT_DOMAINS \
+    while node is not None and node.op_type in op_tables.ORT_ABSORBED_ACTIVATIONS and node.domain in qdq_params.DEFAULT_DOMAINS \
             and node.inputs[0] is not None and len(node.inputs[0].uses()) == 1:
         node = node.inputs[0].producer()
-    return node is not None and node.op_type in qdq_params.WEIGHTED_OPS and node.domain in qdq_params.DEFAULT_DOMAINS
+    return node is not None and node.op_type in op_tables.WEIGHTED_OPS and node.domain in qdq_params.DEFAULT_DOMAINS

@@ -28,21 +28,15 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from kenosis_rewrite.core import op_tables
+from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.pass_base import ReportingPass, remove_unused_nodes
-from kenosis_rewrite.core.report import FixReport
-
-COMMUTING_OPS = frozenset(
-    {
-        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Identity", "DepthToSpace",
-        "SpaceToDepth", "MaxPool",
-    }
-)
 
 
 def commutes_with_qdq(node: ir.Node, opset: int, params: qdq_params.QuantParams | None = None) -> bool:
     """True when ``node`` commutes with Q/DQ of ``params`` and runs on their quantized type."""
-    if node.domain not in ("", "ai.onnx") or node.op_type not in COMMUTING_OPS:
+    if node.domain not in op_tables.DEFAULT_DOMAINS or node.op_type not in op_tables.QDQ_COMMUTING_OPS:
         return False
     if node.op_type == "MaxPool":  # 8-bit MaxPool from opset 12; no 16-bit kernel
         eight_bit = params is None or params.dtype in qdq_params.EIGHT_BIT

@@ -26,9 +26,9 @@ but a DequantizeLinear, or the DQ's output is a graph output (its name is the in
 
 from __future__ import annotations
 
-
 import onnx_ir as ir
 
+from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.pass_base import ReportingPass, remove_unused_nodes
 from kenosis_rewrite.graph.value_origins import Origin, value_origins
@@ -68,5 +68,5 @@ class FloatShapeArithmeticPass(ReportingPass):
 
 
 def _feeds_weighted_op(dequantize: ir.Node) -> bool:
-    return any(user.op_type in qdq_params.WEIGHTED_OPS and user.domain in qdq_params.DEFAULT_DOMAINS
+    return any(user.op_type in op_tables.WEIGHTED_OPS and user.domain in qdq_params.DEFAULT_DOMAINS
                for user, _ in dequantize.outputs[0].uses())

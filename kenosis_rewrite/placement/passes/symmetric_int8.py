@@ -33,10 +33,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
-from kenosis_rewrite.graph.pass_base import ReportingPass
+from kenosis_rewrite.core import op_tables
+from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.dequantize import insert_clamp, remove_qdq_pair
+from kenosis_rewrite.graph.pass_base import ReportingPass
 
 RULE_NAME = "symmetric-int8-activations"
 _QMAX = 127
@@ -59,7 +59,7 @@ def _only_leaves_model(dequantizers: list[ir.Node]) -> bool:
 
 
 def _is_weight_use(node: ir.Node, index: int) -> bool:
-    return index == 1 and node.op_type in qdq_params.WEIGHTED_OPS
+    return index == 1 and node.op_type in op_tables.WEIGHTED_OPS
 
 
 class SymmetricActivationsPass(ReportingPass):
@@ -149,7 +149,7 @@ class SymmetricActivationsPass(ReportingPass):
         readers = [user for dq in dequantizers for user, _ in dq.outputs[0].uses()]
         fusible = self.fused_activations | ({"Mul"} if "Sigmoid" in self.fused_activations else set())  # SiLU
         fused = readers and all(user.op_type in fusible for user in readers)
-        if producer is not None and producer.op_type in qdq_params.WEIGHTED_OPS and lo != 0.0 and fused:
+        if producer is not None and producer.op_type in op_tables.WEIGHTED_OPS and lo != 0.0 and fused:
             # a Conv/MatMul/Gemm output read only by activations the target fuses into it: the
             # fusion rule removes this pair (approximate, as it states), and a clamp would block it
             return ""

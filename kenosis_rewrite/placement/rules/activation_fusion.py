@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from onnxscript.rewriter import MatchResult
 
-from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph.rule_base import ReportingRule, refusal
 
 __all__ = ["FuseActivationIntoProducer", "FuseSiLUIntoProducer", "activation_fusion_rules"]
 
@@ -37,7 +37,7 @@ NPU_FUSIBLE = ("Relu", "LeakyRelu", "Clip", "HardSwish")
 
 def _check_producer(x) -> str | None:
     producer = x.producer()
-    if producer is None or producer.op_type not in qdq_params.WEIGHTED_OPS:
+    if producer is None or producer.op_type not in op_tables.WEIGHTED_OPS:
         return "the quantized tensor does not come from a Conv/ConvTranspose/MatMul/Gemm"
     if len(x.uses()) != 1:
         return f"{x.name!r} is read by other nodes"
@@ -62,8 +62,8 @@ class FuseActivationIntoProducer(ReportingRule):
         if reason is None and (len(q.uses()) != 1 or len(dq.uses()) != 1):
             reason = "the Q/DQ pair is read by other nodes"
         if reason is not None:
-            if x.producer() is not None and x.producer().op_type in qdq_params.WEIGHTED_OPS:
-                return self.refuse(act.producer().name or str(act.name), reason)
+            if x.producer() is not None and x.producer().op_type in op_tables.WEIGHTED_OPS:
+                return refusal(act.producer().name or str(act.name), reason)
             return MatchResult().fail(reason)
         return MatchResult()
 

@@ -38,10 +38,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RULE_NAME_TAG, MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.graph.rule_base import ReportingRule, acceptance, refusal
 
 _RULE_NAMES = frozenset(
     {"fold-relu-island", "fold-clip-island", "relu-zero-point-to-qmin", "clip-zero-point-to-qmin"}
@@ -73,11 +72,11 @@ class _FoldActivationIsland(ReportingRule):
         """Conditions on the pre-activation Q/DQ pair; None when they hold."""
         p1, pd = qdq_params.quant_params(q1.producer()), qdq_params.quant_params(dq1.producer())
         if p1 is None or pd is None:
-            return self.refuse(where, "quantization parameters are not constants")
+            return refusal(where, "quantization parameters are not constants")
         if not p1.is_per_tensor or p1.dtype not in qdq_params.EIGHT_BIT:
-            return self.refuse(where, f"only per-tensor 8-bit activations are folded, got {p1.describe()}")
+            return refusal(where, f"only per-tensor 8-bit activations are folded, got {p1.describe()}")
         if not pd.same_as(p1):
-            return self.refuse(where, "the pre-activation DequantizeLinear disagrees with its QuantizeLinear")
+            return refusal(where, "the pre-activation DequantizeLinear disagrees with its QuantizeLinear")
         return None
 
     def check(self, context, x, act, q2, q1=None, dq1=None, **_) -> MatchResult:
@@ -92,32 +91,32 @@ class _FoldActivationIsland(ReportingRule):
                 return failure
         p2 = qdq_params.quant_params(q2_node)
         if p2 is None:
-            return self.refuse(where, "quantization parameters are not constants")
+            return refusal(where, "quantization parameters are not constants")
         if not p2.is_per_tensor or p2.dtype not in qdq_params.EIGHT_BIT:
-            return self.refuse(where, f"only per-tensor 8-bit activations are folded, got {p2.describe()}")
+            return refusal(where, f"only per-tensor 8-bit activations are folded, got {p2.describe()}")
         if q1 is None:
             if qdq_params.is_dequantize(x.producer()):
-                return self.refuse(where, "the activation reads a DequantizeLinear: a float island, not a fused output")
+                return refusal(where, "the activation reads a DequantizeLinear: a float island, not a fused output")
         if x.producer() is None or len(x.uses()) != 1:
-            return self.refuse(where, f"pre-activation tensor {x.name!r} is a graph input or has other consumers")
+            return refusal(where, f"pre-activation tensor {x.name!r} is a graph input or has other consumers")
         if q2.is_graph_output():
-            return self.refuse(where, f"quantized output {q2.name!r} is a graph output")
+            return refusal(where, f"quantized output {q2.name!r} is a graph output")
         consumers = qdq_params.dequantize_consumers(q2)
         if consumers is None:
-            return self.refuse(where, f"quantized output {q2.name!r} is read by a non-DequantizeLinear node")
+            return refusal(where, f"quantized output {q2.name!r} is read by a non-DequantizeLinear node")
         for consumer in consumers:
             params = qdq_params.quant_params(consumer)
             if params is None or not params.same_as(p2):
-                return self.refuse(where, f"DequantizeLinear {consumer.name!r} disagrees with the output QuantizeLinear")
+                return refusal(where, f"DequantizeLinear {consumer.name!r} disagrees with the output QuantizeLinear")
         representable = p2.scalar_scale * (p2.qmax - p2.scalar_zero_point)
         if representable <= 0:
-            return self.refuse(where, f"output quantizer {p2.describe()} represents no positive value")
+            return refusal(where, f"output quantizer {p2.describe()} represents no positive value")
         upper = self._upper_bound(act_node, representable)
         if isinstance(upper, str):
-            return self.refuse(where, upper)
+            return refusal(where, upper)
         if q1 is None and value_range.absorbed_by_quantizer(act_node, p2):
             return MatchResult().fail("already fused: the quantizer makes the activation redundant")
-        return self.accept(where)
+        return acceptance(where)
 
     def rewrite(self, op, x, act, q2, q1=None, dq1=None, **_):
         act_node, q2_node = act.producer(), q2.producer()

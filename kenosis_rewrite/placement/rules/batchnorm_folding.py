@@ -42,8 +42,8 @@ quantized elsewhere, folding through it drops the clamp, which ``fix()``'s run-t
 and undoes.
 
 Refused with a reason: a Q between Conv and BN that clamps at 0, a quantized Conv whose BN output
-is not quantized (the Conv would lose its output quantizer and run float), non-constant BN parameters or weights, training-mode BN, weights with
-non-zero zero points or blocked scales, a per-axis weight scale not on the output-channel axis,
+is not quantized (the Conv would lose its output quantizer and run float), non-constant BN parameters or
+weights, training-mode BN, weights with non-zero zero points or blocked scales, a per-axis weight scale not on the output-channel axis,
 Conv outputs or intermediate Q/DQ read by other nodes.
 """
 
@@ -53,10 +53,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.graph.rule_base import ReportingRule, refusal
 
 __all__ = ["ConvAffineFold", "FoldBatchNormIntoConv", "FoldBatchNormIntoConvThroughQDQ", "batchnorm_rules"]
 
@@ -141,47 +140,48 @@ class ConvAffineFold(ReportingRule):
     def check(self, context, x, w, conv_out, bn_out, q=None, dq=None, **_) -> MatchResult:
         conv, bn = conv_out.producer(), bn_out.producer()
         where = bn.name or str(bn_out.name)
+        # the model's opset, kept for rewrite() (which has no context) as onnxscript's own rules keep match state
         self._opset = context.model.opset_imports.get("", context.model.opset_imports.get("ai.onnx", 0))
         for value in (conv_out, q, dq):
             if value is not None and (len(value.uses()) != 1 or value.is_graph_output()):
-                return self.refuse(where, f"{value.name!r} is read by other nodes or is a graph output")
+                return refusal(where, f"{value.name!r} is read by other nodes or is a graph output")
         if q is not None:
             middle = qdq_params.quant_params(q.producer())
             if middle is None or not middle.is_per_tensor:
-                return self.refuse(where, f"the Q between the Conv and the {bn.op_type} is not per-tensor constant")
+                return refusal(where, f"the Q between the Conv and the {bn.op_type} is not per-tensor constant")
         if q is not None and not all(qdq_params.is_quantize(user) for user, _ in bn_out.uses()):
-            return self.refuse(
+            return refusal(
                 where, f"the {bn.op_type} output is not quantized: folding would leave the Conv "
                 "without an output quantizer, i.e. a float Conv",
             )
         if q is not None and value_range.implied_clamp(q.producer()) is not None:
-            return self.refuse(
+            return refusal(
                 where, f"the Q between the Conv and the {bn.op_type} clamps (zero point at qmin, or a deleted "
                 "Clip quantize() marked): it stands for a Relu/Clip quantize_static removed, which no fold into the "
                 "Conv can keep",
             )
         weight_dq = w.producer()
         if not qdq_params.is_dequantize(weight_dq) or qdq_params.const_array(weight_dq.inputs[0]) is None:
-            return self.refuse(where, "the Conv weight is not a dequantized constant")
+            return refusal(where, "the Conv weight is not a dequantized constant")
         params = qdq_params.quant_params(weight_dq)
         if params is None or params.block_size or params.dtype not in qdq_params.EIGHT_BIT:
-            return self.refuse(where, "the Conv weight needs constant, unblocked 8-bit parameters")
+            return refusal(where, "the Conv weight needs constant, unblocked 8-bit parameters")
         if not params.is_per_tensor and params.axis != 0:
-            return self.refuse(where, f"per-axis weight scale on axis {params.axis}, not the output channels")
+            return refusal(where, f"per-axis weight scale on axis {params.axis}, not the output channels")
         channels = qdq_params.const_array(weight_dq.inputs[0]).shape[0]
         affine = self._affine(bn, dq if dq is not None else conv_out, qdq_params.const_array(weight_dq.inputs[0]))
         if isinstance(affine, str):
-            return self.refuse(where, affine)
+            return refusal(where, affine)
         if affine[0].size not in (1, channels) or affine[1].size not in (1, channels):
-            return self.refuse(where, f"the {bn.op_type}'s channels do not match the Conv's output channels")
+            return refusal(where, f"the {bn.op_type}'s channels do not match the Conv's output channels")
         if len(conv.inputs) > 2 and conv.inputs[2] is not None:
             if qdq_params.constant_or_dequantized(conv.inputs[2]) is None:
-                return self.refuse(where, "the Conv bias is not a constant")
+                return refusal(where, "the Conv bias is not a constant")
         if self._opset < qdq_params.PER_AXIS_OPSET:
             a = np.broadcast_to(affine[0], (channels,))
             growth, channel = _one_scale_growth(qdq_params.const_array(weight_dq.inputs[0]), params, a)
             if growth > MAX_STEP_GROWTH:
-                return self.refuse(
+                return refusal(
                     where, f"opset {self._opset} has no per-channel DequantizeLinear, and one weight scale for the folded "
                     f"channels (|a| from {np.abs(a).min():.3g} to {np.abs(a).max():.3g}) would make channel {channel}'s "
                     f"weight step {growth:.3g}x its step in the input (at most {MAX_STEP_GROWTH:g}x)")

@@ -42,15 +42,15 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.placement.rules.batchnorm_folding import ConvAffineFold
 from kenosis_rewrite.canonicalization.rules.channel_affine import channel_vector
+from kenosis_rewrite.core.op_tables import AFFINE_OPS  # re-exported: it was defined here
+from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.placement.rules.batchnorm_folding import ConvAffineFold
 
 __all__ = ["AFFINE_OPS", "FoldAffineIntoConv", "FoldAffineIntoConvThroughQDQ", "conv_affine_rules", "conv_affine"]
 
 RULE_NAME = "fold-affine-into-conv"
-AFFINE_OPS = ("Mul", "Div", "Add", "Sub")
 
 
 def conv_affine(node: ir.Node, conv_output: ir.Value, channels: int, rank: int) -> tuple[np.ndarray, np.ndarray] | str:

@@ -9,7 +9,7 @@ the index dims), for per-tensor parameters or per-axis ones on an axis other tha
 Per-row parameters of a table gathered along its rows (``a = g = 0``: NNCF quantizes embeddings per
 row) are gathered with the codes, and the DequantizeLinear is written out as what it computes::
 
-    Gather(DQ(table_q; s, z, axis=0), ids)   ==>   (Cast(Gather(table_q, ids)) - Cast(Gather(z, ids))[..., None]) * Gather(s, ids)[..., None]
+    Gather(DQ(table_q; s, z, axis=0), ids)  ==>  (Cast(Gather(table_q, ids)) - Cast(Gather(z, ids))[..., None]) * Gather(s, ids)[..., None]
 
 (the Sub only where some zero point is not 0; ``None``: Unsqueeze over the table's other axes).
 
@@ -34,9 +34,9 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule, acceptance, refusal
 
 __all__ = ["GatherBeforeDequantize", "gather_dequantize_rules", "RULE_NAME"]
 
@@ -92,7 +92,7 @@ class GatherBeforeDequantize(ReportingRule):
             return MatchResult().fail("not default-domain DequantizeLinear and Gather")
         axis = self._new_axis(dq_node, gather, table, ids)
         where = gather.name or str(gathered.name)
-        return self.refuse(where, axis) if isinstance(axis, str) else self.accept(where)
+        return refusal(where, axis) if isinstance(axis, str) else acceptance(where)
 
     def rewrite(self, op, table, ids, dq, gathered, **_):
         dq_node, gather = dq.producer(), gathered.producer()

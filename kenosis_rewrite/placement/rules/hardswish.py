@@ -32,9 +32,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule, refusal
 
 __all__ = ["HardSwishToIntegerOps", "hardswish_rules"]
 
@@ -60,7 +60,7 @@ class HardSwishToIntegerOps(ReportingRule):
         p_in, p_out = qdq_params.quant_params(x.producer()), qdq_params.quant_params(q2.producer())
         for params in (p_in, p_out):
             if params is None or not params.is_per_tensor or params.dtype != ir.DataType.UINT8:
-                return self.refuse(where, "only per-tensor uint8 activations are decomposed")
+                return refusal(where, "only per-tensor uint8 activations are decomposed")
         return MatchResult()
 
     def rewrite(self, op, x, hs, q2, **_):

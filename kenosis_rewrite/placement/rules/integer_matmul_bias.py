@@ -34,9 +34,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule, acceptance, refusal
 
 __all__ = ["IntegerMatMulBias", "integer_matmul_bias_rules", "RULE_NAME"]
 
@@ -110,9 +110,9 @@ class IntegerMatMulBias(ReportingRule):
             return MatchResult().fail("not default-domain MatMul and Add")
         if not qdq_params.is_dequantize(x.producer()) or not qdq_params.is_dequantize(w.producer()):
             return MatchResult().fail("the MatMul's inputs are not both dequantized")  # common: not reported
-        refusal = _refusal(x.producer(), w.producer(), bias, product)
+        reason = _refusal(x.producer(), w.producer(), bias, product)
         where = matmul.name or str(product.name)
-        return self.refuse(where, refusal) if refusal else self.accept(where)
+        return refusal(where, reason) if reason else acceptance(where)
 
     def rewrite(self, op, x, w, bias, product, added, **_):
         x_dq, w_dq, matmul = x.producer(), w.producer(), product.producer()

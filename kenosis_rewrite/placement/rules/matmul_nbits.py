@@ -47,22 +47,20 @@ activation-quantized (QLinearMatMul / MatMulIntegerToFloat) candidate and is lef
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.graph.rule_base import ReportingRule, acceptance, refusal
 from kenosis_rewrite.placement.rules.nbits_weight import (  # re-exported: they were defined here
     NBITS_TYPES,
     WeightDQ,
     constant_of,
-    fusible_block,
     dequantize_constant,
     float_dtype,
+    fusible_block,
     nbits_type_reason,
     weight_dq,
 )
@@ -116,7 +114,7 @@ class _NBitsRule(ReportingRule):
             return MatchResult().fail("activation-quantized MatMul")
         dq = weight_dq(weight)
         if isinstance(dq, str):
-            return self.refuse(refuse_at, dq) if refuse_at is not None else MatchResult().fail(dq)
+            return refusal(refuse_at, dq) if refuse_at is not None else MatchResult().fail(dq)
         return dq
 
     def _initializer(self, op, graph: ir.Graph, array: np.ndarray, dtype: ir.DataType, base: str):
@@ -165,15 +163,15 @@ class CastWeightDequantize(_NBitsRule):
             return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self.refuse(where, reason)
+            return refusal(where, reason)
         target = cast.producer().attributes.get_int("to", 0)
         if target not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-            return self.refuse(where, f"Cast to {ir.DataType(target).name.lower()}: not a float MatMul")
+            return refusal(where, f"Cast to {ir.DataType(target).name.lower()}: not a float MatMul")
         if target == dq.scale_type:
             return MatchResult().fail("the Cast does not change the type")
         if target == ir.DataType.FLOAT16 and np.abs(dq.scale.astype(np.float32)).max() > 65504:
-            return self.refuse(where, "scales overflow float16")
-        return self.accept(where)
+            return refusal(where, "scales overflow float16")
+        return acceptance(where)
 
     def rewrite(self, op, a, weight, cast, out, **_):
         dq = weight_dq(weight)
@@ -220,8 +218,8 @@ class UnshareWeightDequantize(_NBitsRule):
         where = _where(out.producer(), "MatMul")
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self.refuse(where, reason)
-        return self.accept(where)
+            return refusal(where, reason)
+        return acceptance(where)
 
     def rewrite(self, op, a, weight, out, **_):
         dq = weight_dq(weight)
@@ -266,11 +264,11 @@ class FoldWeightTranspose(_NBitsRule):
             return dq
         reason = nbits_type_reason(dq)
         if reason is not None:
-            return self.refuse(where, reason)
+            return refusal(where, reason)
         perm = moved.producer().attributes.get_ints("perm", None)
         if len(dq.shape) != 2 or (perm is not None and list(perm) != [1, 0]):
-            return self.refuse(where, "only the transpose of a 2-D weight is folded")
-        return self.accept(where)
+            return refusal(where, "only the transpose of a 2-D weight is folded")
+        return acceptance(where)
 
     def rewrite(self, op, a, weight, moved, out, **_):
         dq = weight_dq(weight)
@@ -316,7 +314,7 @@ class FoldWeightReshape(_NBitsRule):
         if reason is None:
             target = self._target(dq, shape)
             reason = target if isinstance(target, str) else None
-        return self.refuse(where, reason) if reason is not None else self.accept(where)
+        return refusal(where, reason) if reason is not None else acceptance(where)
 
     def rewrite(self, op, a, weight, shape, out, **_):
         dq = weight_dq(weight)
@@ -367,7 +365,7 @@ class ReblockWeightDequantize(_NBitsRule):
             reason = f"blocks along axis {dq.axis} of the weight, not along K (axis 0): MatMulNBits cannot take them"
         if reason is None and fusible_divisor(dq.block_size) is None:
             reason = f"block_size {dq.block_size} has no power-of-two divisor >= 16: exact re-blocking is impossible"
-        return self.refuse(where, reason) if reason is not None else self.accept(where)
+        return refusal(where, reason) if reason is not None else acceptance(where)
 
     def rewrite(self, op, a, weight, out, **_):
         dq = weight_dq(weight)
@@ -418,7 +416,7 @@ class GemmWeightToMatMul(_NBitsRule):
             reason = "beta != 1 with a non-constant C"
         if reason is None and len(dq.shape) != 2:
             reason = "the weight is not 2-D"
-        return self.refuse(where, reason) if reason is not None else self.accept(where)
+        return refusal(where, reason) if reason is not None else acceptance(where)
 
     def rewrite(self, op, a, weight, out, **_):
         gemm = out.producer()
@@ -475,8 +473,8 @@ class _ActivationAfterNBits(_NBitsRule):
             return MatchResult().fail("the MatMul output has other consumers: ORT fuses it already")
         bounds = self._bounds(out.producer())
         if isinstance(bounds, str):
-            return self.refuse(_where(out.producer(), self.activation), bounds)
-        return self.accept(_where(out.producer(), self.activation))
+            return refusal(_where(out.producer(), self.activation), bounds)
+        return acceptance(_where(out.producer(), self.activation))
 
     def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
         return value_range.activation_bounds(node)

@@ -22,9 +22,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule, refusal
 
 __all__ = ["PReluToLeakyRelu", "PReluToReluMin", "prelu_rules"]
 
@@ -53,12 +53,12 @@ class _PReluRule(ReportingRule):
         where = out.producer().name or str(out.name)
         array = _slope_or_reason(slope)
         if isinstance(array, str):
-            return self.refuse(where, array)
+            return refusal(where, array)
         uniform = array.size == 1 or bool(np.all(array == array.reshape(-1)[0]))
         if uniform != self.wants_uniform:
             return MatchResult().fail("slope is per-channel" if self.wants_uniform else "slope is uniform")
         if x.dtype is not None and array.dtype != x.dtype.numpy():
-            return self.refuse(where, "slope and input have different types")
+            return refusal(where, "slope and input have different types")
         return MatchResult()
 
     def _record(self, out: ir.Value, detail: str) -> None:

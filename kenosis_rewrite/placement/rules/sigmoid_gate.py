@@ -27,9 +27,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule, refusal
 
 __all__ = ["QuantizeSigmoidGate", "sigmoid_gate_rules", "RULE_NAME"]
 
@@ -73,14 +73,14 @@ class QuantizeSigmoidGate(ReportingRule):
         sigmoid = gate.producer()
         where = sigmoid.name or str(gate.name)
         if not _per_tensor_dequantized(sigmoid.inputs[0]):
-            return self.refuse(where, "the Sigmoid's input is not a per-tensor 8-bit DequantizeLinear")
+            return refusal(where, "the Sigmoid's input is not a per-tensor 8-bit DequantizeLinear")
         if not _per_tensor_dequantized(other):
-            return self.refuse(where, "the other factor is not a per-tensor 8-bit DequantizeLinear (ORT would not fuse the Mul)")
+            return refusal(where, "the other factor is not a per-tensor 8-bit DequantizeLinear (ORT would not fuse the Mul)")
         params = qdq_params.quant_params(q.producer())
         if params is None or not params.is_per_tensor:
-            return self.refuse(where, "the product's quantizer is not per-tensor")
+            return refusal(where, "the product's quantizer is not per-tensor")
         if len(gate.uses()) != 1 or gate.is_graph_output():
-            return self.refuse(where, "the Sigmoid's output is read by more than the Mul")
+            return refusal(where, "the Sigmoid's output is read by more than the Mul")
         return MatchResult()
 
     def rewrite(self, op, a, b, product, q, **_):

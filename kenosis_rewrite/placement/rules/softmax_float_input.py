@@ -60,9 +60,10 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.rule_base import ReportingRule, acceptance, refusal
 
 __all__ = ["SoftmaxFloatInput", "softmax_float_input_rules", "RULE_NAME"]
 
@@ -82,16 +83,12 @@ def _fusible_params(node: ir.Node | None) -> str | None:
     return None
 
 
-_MOVEMENT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Identity",
-                       "DepthToSpace", "SpaceToDepth"})
-
-
 def _sole_reader(value: ir.Value) -> bool:
     return len(value.uses()) == 1 and not value.is_graph_output()
 
 
 def _movement(node: ir.Node | None) -> bool:
-    return node is not None and node.op_type in _MOVEMENT and node.domain in qdq_params.DEFAULT_DOMAINS \
+    return node is not None and node.op_type in op_tables.DATA_MOVEMENT_OPS and node.domain in qdq_params.DEFAULT_DOMAINS \
         and len(node.outputs) == 1 and bool(node.inputs) and node.inputs[0] is not None
 
 
@@ -145,10 +142,10 @@ class SoftmaxFloatInput(ReportingRule):
             return MatchResult().fail("the Softmax's output is not quantized: nothing for ORT to fuse")
         where = softmax.name or str(probs.name)
         for role, node in (("input", dq_node), ("output", users[0].node)):
-            refusal = _fusible_params(node)
-            if refusal is not None:
-                return self.refuse(where, f"the {role} quantizer has {refusal}: ORT does not fuse it")
-        return self.accept(where)
+            reason = _fusible_params(node)
+            if reason is not None:
+                return refusal(where, f"the {role} quantizer has {reason}: ORT does not fuse it")
+        return acceptance(where)
 
     def rewrite(self, op, x_q, dq, probs, **_):
         dq_node, softmax = dq.producer(), probs.producer()

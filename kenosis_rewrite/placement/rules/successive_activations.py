@@ -31,9 +31,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import value_range
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import ReportingRule
+from kenosis_rewrite.graph import value_range
+from kenosis_rewrite.graph.rule_base import ReportingRule, acceptance, refusal
 
 RULE_NAME = "collapse-successive-activations"
 _ACTIVATIONS = ("Relu", "Clip")
@@ -65,17 +65,17 @@ class CollapseSuccessiveActivations(ReportingRule):
         del context
         where = outer.producer().name or str(outer.name)
         if x.dtype is None:
-            return self.refuse(where, f"the type of {x.name!r} is unknown")
+            return refusal(where, f"the type of {x.name!r} is unknown")
         if inner.is_graph_output() or len(inner.uses()) != 1:
-            return self.refuse(where, f"{inner.name!r} is read by other nodes or is a graph output")
+            return refusal(where, f"{inner.name!r} is read by other nodes or is a graph output")
         intervals = [_interval(value.producer()) for value in (inner, outer)]
         for interval in intervals:
             if isinstance(interval, str):
-                return self.refuse(where, interval)
+                return refusal(where, interval)
         (lo1, hi1), (lo2, hi2) = intervals
         if max(lo1, lo2) > min(hi1, hi2):
-            return self.refuse(where, f"[{lo1:g}, {hi1:g}] and [{lo2:g}, {hi2:g}] do not overlap: the result is a constant")
-        return self.accept(where)
+            return refusal(where, f"[{lo1:g}, {hi1:g}] and [{lo2:g}, {hi2:g}] do not overlap: the result is a constant")
+        return acceptance(where)
 
     def rewrite(self, op, x, inner, outer, **_):
         (lo1, hi1), (lo2, hi2) = (_interval(value.producer()) for value in (inner, outer))
