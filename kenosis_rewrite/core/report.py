@@ -43,6 +43,11 @@ class FixReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     # {"input": {"cosine": ..., "max_abs": ...}, "fixed": {...}} when fix() was given the float model.
     fidelity: dict | None = None
+    # (rule, site) pairs the rules must leave alone: the sites where the run-time guard undid a rule
+    held_sites: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
+    # (rule, where) of each change -> the site it was made at (the root node of the rule's match), for
+    # undoing one change at a time; not part of the report's content
+    sites: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def changed(self, rule: str, where: str, detail: str, *, exact: bool) -> None:
         self.changes.append(Change(rule, where, detail, exact))

@@ -29,6 +29,12 @@ from kenosis_rewrite.graph import qdq_params
 __all__ = ["ReportingRule", "SiteResult", "acceptance", "refusal"]
 
 
+def _site(context) -> str | None:
+    """The site of a match: its root node's name (None where the node has none, or no context)."""
+    root = getattr(context, "root", None)
+    return root.name or None if root is not None else None
+
+
 class SiteResult(MatchResult):
     """An onnxscript ``MatchResult`` that names the site (``where``) a rule decided on, so that the
     rule base can book the decision in the report (:meth:`ReportingRule.book`)."""
@@ -73,9 +79,16 @@ class ReportingRule(RewriteRuleClassBase):
         )
 
     def checked(self, context, **bindings):
-        """The condition onnxscript calls: ``check()``, then :meth:`book` of what it returned."""
+        """The condition onnxscript calls: ``check()``, then :meth:`book` of what it returned. A site
+        the report holds (:attr:`FixReport.held_sites`: the run-time guard undid the rule there) fails
+        before ``check()``."""
+        site = _site(context)
+        if self.report is not None and (self.name, site) in self.report.held_sites:
+            return MatchResult().fail("held back at this site by the run-time guard")
         result = self.check(context, **bindings)
         self.book(result)
+        if result:
+            self._site = site  # the changes rewrite() records next are made there
         return result
 
     def book(self, result) -> None:
@@ -89,9 +102,11 @@ class ReportingRule(RewriteRuleClassBase):
             self.report.refused(self.name, result.where, result.reason)
 
     def record(self, where: str, detail: str, exact: bool) -> None:
-        """List one change made at ``where`` in the report (called by ``rewrite()``)."""
+        """List one change made at ``where`` in the report (called by ``rewrite()``), and the site of
+        the match it was made at."""
         if self.report is not None:
             self.report.changed(self.name, where, detail, exact=exact)
+            self.report.sites.setdefault((self.name, where), self.__dict__.get("_site"))
 
     def setup(self) -> None:
         """Called by onnxscript before the rule visits a graph: no allocator survives from another application."""

@@ -234,10 +234,12 @@ def _latency_placement(
 
 def _fix_once(
     model: model_io.ModelLike | model_io.LoadedModel, target: str, disabled: frozenset[str], output_ranges: Mapping | None = None,
+    held_sites: frozenset = frozenset(),
 ) -> tuple[model_io.LoadedModel, FixReport]:
-    """FixPass on a fresh private copy of ``model`` (or on ``model`` itself when it is one already)."""
+    """FixPass on a fresh private copy of ``model`` (or on ``model`` itself when it is one already);
+    ``held_sites``: (rule, site) pairs the rules leave alone."""
     loaded = model if isinstance(model, model_io.LoadedModel) else model_io.load(model, lazy=True)
-    report = FixReport(target=target)
+    report = FixReport(target=target, held_sites=held_sites)
     for note in loaded.notes:
         report.note(note)
     FixPass(target, report, disabled, output_ranges)(loaded.model)
@@ -316,13 +318,19 @@ def _guarded_fix(
             if guard.violation(retry_after, retry_report) is not None:
                 continue
             undone = ", ".join(sorted(disabled))
-        retry_report.refusals[:0] = [
-            Refusal(rule, "whole model", f"{GUARD_UNDO_REASON}: {problem}") for rule in sorted(disabled or ())
-        ]
+        held: frozenset = frozenset()
+        at_sites = _undone_at_sites(model, target, disabled, kept_out, report, guard, output_ranges)
+        if at_sites is not None:
+            (loaded, retry_report, retry_after), held, undone = at_sites
+            retry_report.refusals[:0] = _held_site_refusals(report, held, problem)
+        else:
+            retry_report.refusals[:0] = [
+                Refusal(rule, "whole model", f"{GUARD_UNDO_REASON}: {problem}") for rule in sorted(disabled or ())
+            ]
         retry_report.note(f"run-time guard: {problem}; undone: {undone}")
         if disabled is not None and retry_after is not None:
             loaded, retry_report, retry_after = _closing_round(loaded, retry_report, retry_after, target, guard,
-                                                               output_ranges, kept_out)
+                                                               output_ranges, kept_out, held)
         if target.startswith("ort-cpu") and interleaved_timing.u8s8_saturates():
             retry_report.note(
                 "this host is x86 without VNNI: ORT's uint8 x int8 kernels saturate int16 pair sums here, so "
@@ -330,6 +338,61 @@ def _guarded_fix(
             )
         return loaded, retry_report, retry_after
     raise AssertionError("unreachable")
+
+
+MAX_SITE_TRIALS = 16  # fix() runs the per-site search may spend, each held to the guard
+
+
+def _sites_of(report: FixReport, rule: str) -> list:
+    """The sites (match roots) of ``rule``'s changes in ``report``, in order; None among them where a
+    change's site is unknown (a pass's change, an unnamed root node)."""
+    return list(dict.fromkeys(report.sites.get((rule, change.where)) for change in report.changes if change.rule == rule))
+
+
+def _undone_at_sites(
+    model: model_io.ModelLike, target: str, disabled: frozenset[str] | None, kept_out: frozenset[str], report: FixReport,
+    guard: Guard, output_ranges: Mapping | None,
+) -> tuple[tuple[model_io.LoadedModel, FixReport, onnx.ModelProto], frozenset, str] | None:
+    """Where the guard passed with one rule undone, that rule undone only at the sites that cost the
+    fidelity: the sites are released half by half (each try a fix() held to the guard) and those whose
+    release fails stay held. Returns the result, the held ``(rule, site)`` pairs and what was undone;
+    None where the rule's sites are unknown, or holding fewer of them does not pass."""
+    rules = (disabled or frozenset()) - kept_out
+    if len(rules) != 1:
+        return None
+    rule = next(iter(rules))
+    sites = _sites_of(report, rule)
+    if len(sites) < 2 or None in sites:
+        return None
+    held, best, trials = set(sites), None, 0
+
+    def release(chunk: list) -> None:
+        nonlocal best, trials
+        if trials >= MAX_SITE_TRIALS:
+            return
+        trials += 1
+        pairs = frozenset((rule, site) for site in held - set(chunk))
+        loaded, trial_report = _fix_once(model, target, kept_out, output_ranges, pairs)
+        after = model_io.in_memory_proto(loaded.model)
+        if after is not None and guard.violation(after, trial_report) is None:
+            held.difference_update(chunk)
+            best = (loaded, trial_report, after)
+        elif len(chunk) > 1:
+            release(chunk[:len(chunk) // 2])
+            release(chunk[len(chunk) // 2:])
+
+    release(sites[:len(sites) // 2])  # releasing them all is what failed
+    release(sites[len(sites) // 2:])
+    if best is None or len(held) == len(sites):
+        return None
+    pairs = frozenset((rule, site) for site in held)
+    return best, pairs, f"{rule} at {len(held)} of its {len(sites)} sites (kept at the others)"
+
+
+def _held_site_refusals(report: FixReport, held: frozenset, problem: str) -> list[Refusal]:
+    """A refusal for each change of ``report`` made at a held site: where the guard undid its rule."""
+    return [Refusal(change.rule, change.where, f"{GUARD_UNDO_REASON} at this site: {problem}")
+            for change in report.changes if (change.rule, report.sites.get((change.rule, change.where))) in held]
 
 
 UNCHECKED_HINT = ("pass calibration= feeds the model runs on (or input_shapes= that pin its symbolic dims) so "
@@ -357,15 +420,16 @@ def _exact_only(
 
 def _closing_round(
     loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto, target: str, guard: Guard,
-    output_ranges: Mapping | None, kept_out: frozenset[str],
+    output_ranges: Mapping | None, kept_out: frozenset[str], held_sites: frozenset = frozenset(),
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto]:
     """The pipeline once more on the model the guard let through with rules undone, held to the same
     guard (the caller's input). A rule undone on the input graph can pass on the rewritten one:
     applied after the other rules moved and merged the Q/DQ, the symmetric int8 conversion no longer
     widens pairs they remove (fuzz seed 30000103). Without this round a second fix() made that
     rewrite, held only to its own input: fix() was not idempotent. The round's model is taken when
-    it changed and passes; otherwise the model as it was. ``kept_out``: rules it leaves out too."""
-    again, again_report = _fix_once(after, target, kept_out, output_ranges)
+    it changed and passes; otherwise the model as it was. ``kept_out``: rules it leaves out too;
+    ``held_sites``: the sites where the guard undid a rule, left alone too."""
+    again, again_report = _fix_once(after, target, kept_out, output_ranges, held_sites)
     if not again_report.changes:
         return loaded, report, after
     merged = FixReport(target=target, changes=[*report.changes, *again_report.changes],

@@ -65,3 +65,34 @@ def test_a_guard_that_runs_the_input_at_one_level_checks_at_that_level(monkeypat
     broken.CopyFrom(fixed)
     broken.graph.output[0].name = broken.graph.node[-1].input[0]
     assert check.violation(broken, report) is not None
+
+
+def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatch):
+    """A rule the guard rejects is searched site by site: the sites whose change breaks the check stay
+    undone, the rule keeps its other sites (the guard here rejects two chosen sites of 15)."""
+    qdq = _nncf_model()
+    rule = "fold-affine-into-conv"
+    _, unguarded = kenosis_rewrite.fix(qdq, return_report=True, verify=False)
+    wheres = [c.where for c in unguarded.changes if c.rule == rule]
+    assert len(wheres) >= 8
+    bad = {wheres[2], wheres[-1]}
+    real = guard.Guard.violation
+
+    def rejects_two_sites(self, model, report):
+        if any(c.rule == rule and c.where in bad for c in report.changes):
+            return "the output's cosine fell at a chosen site"
+        return real(self, model, report)
+
+    monkeypatch.setattr(guard.Guard, "violation", rejects_two_sites)
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+
+    kept = {c.where for c in report.changes if c.rule == rule}
+    assert kept == set(wheres) - bad
+    undone = {r.where for r in report.refusals if r.rule == rule and "undone by the run-time guard at this site" in r.reason}
+    assert undone == bad
+    assert any(f"undone: {rule} at 2 of its {len(wheres)} sites" in note for note in report.notes)
+    onnx.checker.check_model(fixed, full_check=True)
+    feeds = fidelity.random_feeds(qdq, 2)
+    reference, ours = fidelity.run(qdq, feeds), fidelity.run(fixed, feeds)
+    assert [o.shape for o in ours[0]] == [o.shape for o in reference[0]]
+    assert fidelity.scores(reference, ours)["cosine"] > 0.99
