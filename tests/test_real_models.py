@@ -89,7 +89,7 @@ def test_symmetric_config_loses_its_relu_islands_on_a_real_resnet(zoo_cache, pho
 def test_latency_placements_on_real_models_keep_contracts(name, float_prefix, cases):
     """The candidates the latency search measures (a float prefix; HardSwish on integer kernels next
     to integer layers) are valid models, run where they claim, and stay faithful to FP32. Which one
-    is fastest is a benchmark's question (README, examples/latency_placement.py), not a unit test's."""
+    is fastest is a benchmark's question (README, benchmarks/latency_placement.py), not a unit test's."""
     from kenosis_rewrite.placement.passes.latency_placement import _variant  # noqa: PLC0415
 
     float_model, feeds, _, fixed, _ = cases(name)

@@ -167,7 +167,7 @@ class PercentileTails(StreamingHistogram):
     percentile bins, and the first and last occupied bins, are the ones the full histogram has;
     otherwise None (measure the tensor again with a :class:`StreamingHistogram`). Each value is
     read once from memory and compared in cache: 0.47-0.56 ns a value, against 2.1-2.6 ns to bin it
-    (``examples/histogram_tails_speed.py``).
+    (``benchmarks/histogram_tails_speed.py``).
     """
 
     TAIL_MARGIN = 80

@@ -11,7 +11,7 @@ residual connection on 2-D activations (an MLP block, an unrolled recurrent cell
 QDQ selector of ORT accepts a float ``C``: the Gemm then runs in float on dequantized weights.
 Measured on a 256-wide MLP block with a residual (8 rows, quantize(), one thread, interleaved
 medians, onnxruntime 1.32.0): 143 us with the fused float Gemm against 21 us split (QGemm,
-QLinearAdd), ``python examples/gemm_addend_speed.py``.
+QLinearAdd), ``python benchmarks/gemm_addend_speed.py``.
 
 Exactness: exact in real arithmetic; float32 results may differ by the rounding of where ``C`` is
 added (ORT's Gemm accumulates onto ``C``), which ``prepare()``'s verification measures. Gemm's

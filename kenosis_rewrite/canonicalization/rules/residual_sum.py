@@ -14,7 +14,7 @@ Why: at session time ORT's level-2 ``SkipLayerNormFusion`` folds ``Add -> LayerN
 the bias Add before it) into ``com.microsoft.SkipLayerNormalization``, whose x86 CPU kernel is
 3-8x slower on one thread than the Sum and the LayerNormalization it replaces, 1.3-5x on two
 (onnxruntime 1.32.0, AMD EPYC with AVX512-VNNI: 235 vs 31 us at [1,128,384], 2026 vs 272 us at
-[1,512,768]; ``python examples/skip_layernorm.py`` measures it). The fusion matches ``Add`` only, so
+[1,512,768]; ``python benchmarks/skip_layernorm.py`` measures it). The fusion matches ``Add`` only, so
 the same addition written as the two-input ``Sum`` keeps the fast kernels. Transformers lose most
 (MiniLM-L3 quantized dynamically, ORT's profiler: 3 SkipLayerNormalizations took 0.7 of its 5.6 ms).
 

@@ -16,7 +16,7 @@ Why: at session time ORT's QDQ selector fuses every ``DQ -> Softmax -> Q`` of 8-
 parameters into ``com.microsoft.QLinearSoftmax``, and on x86 its kernel is slower than the
 DequantizeLinear, float Softmax and QuantizeLinear it replaces at every shape measured, on one
 thread and two: 0.16-0.81x of the fused time on one thread, 0.21-0.92x on two (onnxruntime 1.32.0,
-AMD EPYC with AVX512-VNNI, interleaved medians; ``python examples/qlinear_softmax.py`` measures
+AMD EPYC with AVX512-VNNI, interleaved medians; ``python benchmarks/qlinear_softmax.py`` measures
 it). One thread, fused vs float, microseconds: a DFL head ``[1,4,2100,16]`` over the last axis 331
 vs 108; YOLOv8n's head as ORT runs it, ``[1,4,16,2100]`` over axis 2, 343 vs 143 (two threads 181
 vs 103); attention scores ``[1,12,256,256]`` 1637 vs 268; ``[1,1000]`` logits 6.1 vs 4.9.

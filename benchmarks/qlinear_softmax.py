@@ -1,6 +1,8 @@
-"""The ORT CPU facts behind ``rules/softmax_float_input.py``: QLinearSoftmax vs float Softmax between the same Q/DQ.
+"""QLinearSoftmax vs float Softmax between the same Q/DQ on ORT CPU (the facts behind ``softmax-float-input``).
 
-    python examples/qlinear_softmax.py [--seconds S] [--threads 1,2]
+The rule lives in ``kenosis_rewrite/placement/rules/softmax_float_input.py``.
+
+    python benchmarks/qlinear_softmax.py [--seconds S] [--threads 1,2]
 
 Each model reads a uint8 tensor and writes a uint8 tensor (the Softmax's calibrated output range is
 [0, 1]), with data movement before the Softmax, as in a detector's DFL head (``Flatten`` and
@@ -25,8 +27,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.testing import model_checks
 
 # (label, shape the Softmax reads, its axis); "YOLOv8 DFL": x[1,64,N] -> Reshape[1,4,16,N] -> Transpose(0,2,1,3)
 # -> Softmax(axis=1), as Ultralytics exports it (N = 2100 anchors at 320x320, 8400 at 640x640). Here the

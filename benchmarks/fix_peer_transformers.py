@@ -1,6 +1,6 @@
 """fix() on other quantizers' transformer outputs: quantize_static's defaults, and NNCF if installed.
 
-    python examples/fix_peer_transformers.py [--nncf PYTHON] [--seconds S] [--pin] [MODEL ...]
+    python benchmarks/fix_peer_transformers.py [--nncf PYTHON] [--seconds S] [--pin] [MODEL ...]
 
 ``--nncf`` names a Python that has NNCF (``kenosis-rewrite peers install nncf`` puts one at
 ``~/.cache/kenosis_rewrite/peers/nncf/bin/python``); NNCF runs there, in its own process, with
@@ -22,11 +22,9 @@ import numpy as np
 import onnx
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import interleaved_timing
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
 from kenosis_rewrite import zoo
+from kenosis_rewrite.core import fidelity, interleaved_timing, ort_quantize
+from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.zoo import text
 
 _NNCF = textwrap.dedent("""

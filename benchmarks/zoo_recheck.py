@@ -5,7 +5,7 @@ variant are within a few percent, that single comparison is within this host's n
 thread, ±10% on two). This script builds only quantize() and the rivals named (on the same 16
 scenes as `bench --photos large --calibration-samples 16`) and repeats the interleaved measurement.
 
-    python examples/zoo_recheck.py MODEL RIVAL[,RIVAL...] [--rounds 3] [--seconds 3]
+    python benchmarks/zoo_recheck.py MODEL RIVAL[,RIVAL...] [--rounds 3] [--seconds 3]
 
 RIVAL: a bench variant name: a quantize_static config (`u8s8_pc`, `u8s8`) or a peer (`nncf`, `inc`,
 `quark`), either one optionally followed by `+fix`.

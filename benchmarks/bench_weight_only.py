@@ -1,6 +1,6 @@
 """Benchmark: weight-only int4 MatMulNBits vs the dequantize-then-float-MatMul form, batch 1.
 
-    python examples/bench_weight_only.py [--hidden 512] [--layers 2] [--seq 1] [--rounds 7] [--runs 50]
+    python benchmarks/bench_weight_only.py [--hidden 512] [--layers 2] [--seq 1] [--rounds 7] [--runs 50]
 
 For the toy transformer (FP32 and FP16) this builds, per model:
 

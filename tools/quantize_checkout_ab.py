@@ -1,6 +1,6 @@
 """quantize()'s wall time, two checkouts interleaved: each in its own interpreter, called in turn.
 
-    python examples/quantize_checkout_ab.py MODEL CHECKOUT_A CHECKOUT_B [--rounds 8]
+    python tools/quantize_checkout_ab.py MODEL CHECKOUT_A CHECKOUT_B [--rounds 8]
 
 Each interpreter imports ``kenosis_rewrite`` from its checkout, loads the zoo model and its 16
 calibration scenes, makes one untimed call, then waits; every round calls A then B, or B then A

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python examples/prepare_table.py yahoo_open_nsfw_pt2 nudenet_yolov8n [--calibration 8] [--seconds 3]
+    python benchmarks/prepare_table.py yahoo_open_nsfw_pt2 nudenet_yolov8n [--calibration 8] [--seconds 3]
 
 Real photos from the zoo: the first ``--calibration`` calibrate, the rest measure cosine against FP32.
 Latency: interleaved medians, 1 and 2 threads, as x FP32 (higher is faster).
@@ -16,9 +16,8 @@ import time
 import onnx
 
 import kenosis_rewrite
-from kenosis_rewrite.core import interleaved_timing
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite import zoo
+from kenosis_rewrite.core import fidelity, interleaved_timing
 
 
 def _row(name: str, calibration: int, seconds: float) -> list[str]:

@@ -1,6 +1,6 @@
 """Wall time of quantize() on zoo models, calibrated on the 16 scenes the zoo benchmarks use.
 
-    python examples/quantize_wall_time.py mobilenet_v2,efficientnet_lite0 [--runs 3] [--against inc]
+    python benchmarks/quantize_wall_time.py mobilenet_v2,efficientnet_lite0 [--runs 3] [--against inc]
 
 One untimed call first (imports, the model's first load), then ``--runs`` timed calls: wall time,
 and the process's CPU time over all its threads (on a shared host the wall time moves with the
@@ -37,7 +37,11 @@ def main(argv: list[str]) -> int:
     if args.code:
         sys.path.insert(0, os.path.abspath(args.code))
     kenosis_rewrite = importlib.import_module("kenosis_rewrite")
-    peers, zoo = importlib.import_module("kenosis_rewrite.benchmark.peers"), importlib.import_module("kenosis_rewrite.zoo")
+    zoo = importlib.import_module("kenosis_rewrite.zoo")
+    try:
+        peers = importlib.import_module("kenosis_rewrite.benchmark.peers")
+    except ModuleNotFoundError:  # a checkout from before the re-layout by concern
+        peers = importlib.import_module("kenosis_rewrite.peers")
     if args.code and not kenosis_rewrite.__file__.startswith(os.path.abspath(args.code)):
         parser.error(f"kenosis_rewrite came from {kenosis_rewrite.__file__}, not {args.code}")
     scenes = zoo.load_photo_set("scenes")[:16]

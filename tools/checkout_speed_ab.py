@@ -1,6 +1,6 @@
 """Speed of quantize()'s model from two checkouts of this project, interleaved in one process.
 
-    python examples/checkout_speed_ab.py crnn_captcha,nudenet_yolov8n OLD_CHECKOUT NEW_CHECKOUT [--rounds 2]
+    python tools/checkout_speed_ab.py crnn_captcha,nudenet_yolov8n OLD_CHECKOUT NEW_CHECKOUT [--rounds 2]
 
 Each checkout quantizes the zoo model in its own interpreter (``PYTHONPATH=CHECKOUT``), on the 16
 scenes the zoo benchmarks calibrate on; both models are then timed in this process, interleaved,
@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-from kenosis_rewrite.core import interleaved_timing
 from kenosis_rewrite import zoo
+from kenosis_rewrite.core import interleaved_timing
 
 _QUANTIZE = """
 import sys

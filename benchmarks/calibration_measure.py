@@ -1,7 +1,7 @@
 """Measurements (a script, not a test): synthetic vs real-photo calibration, and calibration memory.
 
-    python examples/calibration_measure.py fidelity MODEL.onnx --calib-wheels W.whl ... --eval-wheels W.whl ...
-    python examples/calibration_measure.py memory MODEL.onnx --samples 500
+    python benchmarks/calibration_measure.py fidelity MODEL.onnx --calib-wheels W.whl ... --eval-wheels W.whl ...
+    python benchmarks/calibration_measure.py memory MODEL.onnx --samples 500
 
 (A research script: it lived in the package as ``kenosis_rewrite.calibration.measure``.)
 
@@ -23,7 +23,6 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.calibration import (
     collect_ranges,
     describe,
@@ -33,6 +32,7 @@ from kenosis_rewrite.calibration import (
     quantize_with_ranges,
 )
 from kenosis_rewrite.calibration.collect import _float_proto
+from kenosis_rewrite.core import fidelity
 
 _PHOTO_SUFFIXES = (".jpg", ".jpeg", ".png")
 _PHOTO_DIRS = ("skimage/data/", "sklearn/datasets/images/", "matplotlib/mpl-data/sample_data/")

@@ -1,6 +1,8 @@
-"""The ORT CPU facts behind ``rules/residual_sum.py``: SkipLayerNormalization vs Add + LayerNormalization, Add vs Sum.
+"""SkipLayerNormalization vs Add + LayerNormalization, Add vs Sum on ORT CPU (the facts behind ``residual-add-as-sum``).
 
-    python examples/skip_layernorm.py [--seconds S]
+The rule lives in ``kenosis_rewrite/canonicalization/rules/residual_sum.py``.
+
+    python benchmarks/skip_layernorm.py [--seconds S]
 
 Each model is one block on x[1, S, H] (and a residual r of the same shape):
 
@@ -21,8 +23,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.testing import model_checks
 
 
 def _block(op: str, seq: int, hidden: int, layer_norm: bool) -> onnx.ModelProto:

@@ -3,7 +3,7 @@
 Usage (the peer's model made in the peer's own venv, e.g. NNCF: ``nncf.quantize(model, nncf.Dataset(feeds))``
 on the same calibration feeds)::
 
-    python examples/peer_table.py FP32.onnx PEER.onnx FEEDS.npz [--calibration 8] [--seconds 3] [--quantize]
+    python benchmarks/peer_table.py FP32.onnx PEER.onnx FEEDS.npz [--calibration 8] [--seconds 3] [--quantize]
 
 ``FEEDS.npz`` holds ``"{i}::{input name}"`` arrays: the first ``--calibration`` feed dicts calibrate
 (quantize_static, fix), the rest measure fidelity. Latency: interleaved medians, 1 and 2 threads.
@@ -17,10 +17,8 @@ import argparse
 import onnx
 
 import kenosis_rewrite
-from kenosis_rewrite.core import interleaved_timing
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
 from kenosis_rewrite.benchmark import peers
+from kenosis_rewrite.core import fidelity, interleaved_timing, ort_quantize
 
 
 def main() -> None:

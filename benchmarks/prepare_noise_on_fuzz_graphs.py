@@ -7,7 +7,7 @@ quantize_static (uint8 activations, int8 per-channel weights) of the graph as ge
 feeds (the worst output). Prints the mean and median change of that noise in dB (negative: the
 canonical graph quantizes better) and how many seeds moved by more than 1 dB either way.
 
-    python examples/prepare_noise_on_fuzz_graphs.py 3700000 300
+    python benchmarks/prepare_noise_on_fuzz_graphs.py 3700000 300
 """
 
 from __future__ import annotations

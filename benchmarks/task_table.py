@@ -1,6 +1,6 @@
 """Task scores of quantize() beside fix(quantize_static) and the peers, on the zoo models that have one.
 
-    python examples/task_table.py [MODELS] [--peers inc,nncf] [--calibration 16]
+    python benchmarks/task_table.py [MODELS] [--peers inc,nncf] [--calibration 16]
         [--calibration-method minmax] [--no-reference]
 
 Each model is calibrated on the first ``--calibration`` zoo scenes and evaluated on the 100 zoo
@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 
 import kenosis_rewrite
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.benchmark import peers
-from kenosis_rewrite.zoo import task_metrics
 from kenosis_rewrite import zoo
+from kenosis_rewrite.benchmark import peers
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.errors import InvalidModelError, one_line
+from kenosis_rewrite.zoo import task_metrics
 
 
 def _counted(metric: task_metrics.TaskMetric, reference, runs) -> int:
