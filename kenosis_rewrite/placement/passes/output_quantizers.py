@@ -21,15 +21,13 @@ with ``(s, z)`` the asymmetric grid of the data input's type over ``[min(lo, 0),
 * the range the op's output took on the caller's calibration feeds, measured with ONNX Runtime on
   the input model (:func:`measure_output_ranges`), clipped to the bounds below when they apply;
 * without calibration, the bounds the quantizer after a saturating activation puts on its input
-  (:func:`saturation_bounds`): the op's output read only by a HardSwish (one op, or the arithmetic
-  ``x * clip(x + 3, 0, 6) / 6`` of a Paddle export) or a HardSigmoid whose output only quantizers
-  with one set of per-tensor parameters read (NNCF's ``Conv -> HardSwish -> Q``). Outside
-  them every value gives that quantizer the same code as the bound itself: HardSwish is 0 below
-  -3 (and <= 0 below 0, which a quantizer whose range starts at 0 clamps to 0) and at least the
-  quantizer's top ``hi`` above ``max(hi, root of x(x+3)/6 = hi)``; HardSigmoid is constant beyond
-  ``(0 - beta) / alpha`` and ``(1 - beta) / alpha`` and meets the quantizer's range at
-  ``(lo - beta) / alpha`` and ``(hi - beta) / alpha``. So clipping there is exact; a range is a
-  fact about data, and this one is a fact about the graph.
+  (:func:`~kenosis_rewrite.placement.passes.saturation.saturation_bounds`): the op's output read only
+  by a HardSwish, HardSigmoid, SiLU (``x * Sigmoid(x)``), Gelu, Mish, Sigmoid or Tanh whose output
+  only quantizers with one set of per-tensor parameters read (NNCF's ``Conv -> SiLU -> Q``). Outside
+  them every value gives that quantizer the same code as the bound itself, so clipping there is
+  exact (the bounds per activation are in :mod:`~kenosis_rewrite.placement.passes.saturation`);
+* for a Concat's output without calibration, the union of the ranges of the dequantized tensors it
+  joins: every value lies in it. A range is a fact about data; these are facts about the graph.
 
 Why: ORT CPU fuses ``DQ -> Conv -> Q`` (optionally with a Relu/Clip before the Q) into QLinearConv,
 and the same for MatMul/Gemm; without a Q after the op it runs the op in float on dequantized
@@ -60,10 +58,10 @@ from kenosis_rewrite.core import fidelity, op_tables
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.pass_base import ReportingPass
 from kenosis_rewrite.placement.passes.qdq_propagation import commutes_with_qdq
+from kenosis_rewrite.placement.passes.saturation import saturation_bounds
 from kenosis_rewrite.placement.rules.conv_affine_folding import conv_affine
 
 RULE_NAME = "quantize-weighted-outputs"
-_HARDSWISH_ZERO_BELOW = -3.0  # HardSwish(x) = x * clip(x / 6 + 1 / 2, 0, 1) = 0 for x <= -3
 
 
 def _dequantized_params(value: ir.Value | None) -> qdq_params.QuantParams | None:
@@ -175,140 +173,23 @@ def sites(graph: ir.Graph) -> list[Site]:
     return found
 
 
-def _scalar(value: ir.Value | None, expected: float) -> bool:
-    array = qdq_params.const_array(value) if value is not None else None
-    return array is not None and array.size == 1 and bool(np.isclose(float(array.reshape(-1)[0]), expected, rtol=1e-4))
-
-
-def _only_use(value: ir.Value, op_type: str) -> ir.Node | None:
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
+def _concat_union(value: ir.Value) -> tuple[float, float, str] | None:
+    """The union of the ranges of the dequantized tensors a Concat joins: every value of its output
+    lies in it (a fact about the graph: no clamp, one rounding onto the joint grid)."""
+    params = [_dequantized_params(v) for v in value.producer().inputs]
+    if not params or any(p is None for p in params):
         return None
-    node = uses[0][0]
-    return node if qdq_params.is_op(node, op_type) else None
-
-
-def _decomposed_hardswish(value: ir.Value) -> ir.Value | None:
-    """The output of ``x * clip(x + 3, 0, 6) / 6`` (the Div before or after the Mul) or of
-    ``x * HardSigmoid(x; 1/6, 1/2)`` when the readers of ``x = value`` compute exactly that."""
-    users = {node.op_type: node for node, _ in value.uses()}
-    if len(users) != 2 or len(list(value.uses())) != 2 or "Mul" not in users:
-        return None
-    mul = users["Mul"]
-    if "HardSigmoid" in users:
-        gate = users["HardSigmoid"]
-        if not (np.isclose(gate.attributes.get_float("alpha", 0.2), 1 / 6) and np.isclose(gate.attributes.get_float("beta", 0.5), 0.5)):
-            return None
-        gate_output = gate.outputs[0]
-    elif "Add" in users:
-        add = users["Add"]
-        if not _scalar(add.inputs[1] if add.inputs[0] is value else add.inputs[0], 3.0):
-            return None
-        clip = _only_use(add.outputs[0], "Clip")
-        if clip is None or len(clip.inputs) < 3 or not (_scalar(clip.inputs[1], 0.0) and _scalar(clip.inputs[2], 6.0)):
-            return None
-        gate_output = clip.outputs[0]
-        divide = _only_use(gate_output, "Div")
-        if divide is not None:  # clip(x + 3, 0, 6) / 6, then times x
-            if not _scalar(divide.inputs[1], 6.0):
-                return None
-            gate_output = divide.outputs[0]
-    else:
-        return None
-    if {id(v) for v in mul.inputs} != {id(value), id(gate_output)} or _only_use(gate_output, "Mul") is not mul:
-        return None
-    if gate_output.producer().op_type != "Clip":
-        return mul.outputs[0]
-    divide = _only_use(mul.outputs[0], "Div")  # x * clip(x + 3, 0, 6), then / 6
-    return divide.outputs[0] if divide is not None and _scalar(divide.inputs[1], 6.0) else None
-
-
-def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float] | None:
-    """``(kind, output, alpha, beta)`` when the readers of ``value`` compute one saturating
-    activation of it: a HardSwish (one op, or written as arithmetic as Paddle exports it) or a
-    HardSigmoid with ``alpha > 0``."""
-    uses = list(value.uses())
-    if len(uses) == 1 and uses[0][1] == 0:
-        node = uses[0][0]
-        if qdq_params.is_op(node, "HardSwish"):
-            return "HardSwish", node.outputs[0], 1 / 6, 0.5
-        if qdq_params.is_op(node, "HardSigmoid"):
-            alpha, beta = node.attributes.get_float("alpha", 0.2), node.attributes.get_float("beta", 0.5)
-            return ("HardSigmoid", node.outputs[0], alpha, beta) if alpha > 0 else None
-    output = _decomposed_hardswish(value)
-    return ("HardSwish", output, 1 / 6, 0.5) if output is not None else None
-
-
-def activation_bounds(kind: str, alpha: float, beta: float, lo: float, hi: float) -> tuple[float, float]:
-    """``[a, b]`` such that every ``x`` outside gives the activation a value the range ``[lo, hi]``
-    (``lo <= 0 <= hi``) clamps to what ``clip(x, a, b)`` gives; see the module docstring."""
-    if kind == "HardSwish":
-        low = 0.0 if lo >= 0.0 else _HARDSWISH_ZERO_BELOW
-        # x * (x + 3) / 6 = hi on the increasing branch, or x itself from x = 3 on
-        high = hi if hi >= 3.0 else (-3.0 + float(np.sqrt(9.0 + 24.0 * hi))) / 2.0
-        return low, high
-    return (max(lo, 0.0) - beta) / alpha, (min(hi, 1.0) - beta) / alpha
-
-
-# a scalar constant is a one-channel vector of a tensor of any rank up to this
-_SCALAR_RANK = 8
-
-
-def _scalar_affine_after(value: ir.Value) -> tuple[ir.Value, float, float]:
-    """``(end, a, b)``: ``end = a * value + b`` at the end of the chain of Mul/Div by positive scalar
-    constants and Add/Sub of scalar constants that alone reads ``value`` (Paddle's learnable affine
-    after an activation); ``(value, 1, 0)`` without one. ``a > 0``: the chain is increasing. Each
-    step is read as the Conv affine fold reads one (:func:`conv_affine`), with one channel."""
-    a, b = 1.0, 0.0
-    while not value.is_graph_output():
-        uses = list(value.uses())
-        if len(uses) != 1:
-            break
-        node = uses[0][0]
-        step = conv_affine(node, value, 1, _SCALAR_RANK)
-        if isinstance(step, str) or not step[0][0] > 0:
-            break
-        scale, shift = float(step[0][0]), float(step[1][0])
-        a, b = a * scale, b * scale + shift
-        value = node.outputs[0]
-    return value, a, b
-
-
-def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
-    """``(a, b, why)`` when ``value`` is read only by a saturating activation whose output only
-    quantizers with one set of per-tensor parameters read, directly or through an increasing
-    scalar affine (:func:`_scalar_affine_after`, whose inverse maps their range onto the
-    activation's): values of ``value`` outside ``[a, b]`` give those quantizers the codes of ``a``
-    and ``b``, so a grid for ``value`` can stop there."""
-    activation = saturating_activation(value)
-    if activation is None:
-        return None
-    kind, output, alpha, beta = activation
-    end, scale_after, shift_after = _scalar_affine_after(output)
-    readers = [user for user, _ in end.uses()]
-    if end.is_graph_output() or not readers or not all(qdq_params.is_quantize(user) for user in readers):
-        return None
-    params = [qdq_params.quant_params(user) for user in readers]
-    first = params[0]
-    if any(p is None or not p.is_per_tensor or not p.same_as(first) for p in params):
-        return None
-    scale, zero_point = first.scalar_scale, first.scalar_zero_point
-    lo, hi = (first.qmin - zero_point) * scale, (first.qmax - zero_point) * scale
-    through = ""
-    if end is not output:
-        lo, hi = (lo - shift_after) / scale_after, (hi - shift_after) / scale_after
-        through = f" through {scale_after:.4g} x + {shift_after:.4g}"
-        if not hi >= 0:  # the quantizer's whole range lies below what the activation reaches
-            return None
-    low, high = activation_bounds(kind, alpha, beta, lo, hi)
-    if not low < high:
-        return None
-    return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]{through}"
+    lo = min((p.qmin - p.scalar_zero_point) * p.scalar_scale for p in params)
+    hi = max((p.qmax - p.scalar_zero_point) * p.scalar_scale for p in params)
+    return lo, hi, "the union of its inputs' quantizer ranges"
 
 
 def site_range(site: Site, measured: tuple[float, float] | None) -> tuple[float, float, str] | None:
     """``(lo, hi, source)`` for ``site``: the measured range clipped to the saturation bounds, or the
-    bounds alone without a measurement; None when there is neither."""
+    bounds alone without a measurement (a Concat's input site: the union of its inputs' ranges);
+    None when there is neither."""
+    if site.kind == "input" and measured is None:
+        return _concat_union(site.value)
     bounds = saturation_bounds(site.value) if site.kind == "output" else None
     if bounds is None:
         return None if measured is None else (measured[0], measured[1], "the measured range")

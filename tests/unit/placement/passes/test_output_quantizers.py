@@ -15,12 +15,12 @@ from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.placement.passes.output_quantizers import (
     RULE_NAME,
     QuantizeWeightedOutputsPass,
-    activation_bounds,
     candidates,
     covering_grid,
     measure_output_ranges,
 )
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.placement.passes.saturation import activation_bounds
 
 # DQ -> Conv -> BN -> HardSwish -> Q: the Conv has no output quantizer (OpenVINO fuses the activation).
 MODEL = """
