@@ -10,11 +10,10 @@ import onnx_ir as ir
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.canonicalization import pipeline
+from kenosis_rewrite.canonicalization import folding, pipeline, shapes, verify
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _ops(model) -> collections.Counter:
@@ -186,9 +185,9 @@ def test_graphs_that_route_inputs_by_value_are_verified_on_every_feed():
     _, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert any(f"verified on {pipeline.VERIFY_FEEDS} inputs" in note for note in report.notes)
     work = ir.serde.deserialize_model(model)
-    assert not pipeline._routes_by_data(work)
+    assert not verify.routes_by_data(work)
     work.graph.append(ir.node("NonZero", [work.graph.inputs[0]]))
-    assert pipeline._routes_by_data(work)
+    assert verify.routes_by_data(work)
 
 
 @pytest.mark.parametrize("export", ["tf_same_padding", "nhwc_export"])
@@ -213,7 +212,7 @@ def test_folding_skips_shape_inference_only_where_it_would_change_nothing(export
         pipeline.pin_input_shapes(work, {"x": dims}, "test", FixReport(target="test"))
         with monkeypatch.context() as patch:
             if not skipping:  # onnxscript's own inference on every node
-                patch.setattr(pipeline._FoldConstantsKnownShapesPass, "_do_inference", counted)
+                patch.setattr(folding.FoldConstantsKnownShapesPass, "_do_inference", counted)
             pipeline._fold(work)
             pipeline._fold(work)  # a second fold: every output's shape known
         return ir.serde.serialize_model(work).SerializeToString()
@@ -231,22 +230,24 @@ def test_folds_sharing_their_inferences_fold_as_inferring_every_node_each_time(e
     """Symbolic dims (nothing pinned): a node whose inference would read what it read last time is
     not inferred again, across the folds of one canonicalization; the graphs are the same as
     with onnxscript's inference on every node at every step."""
+    from onnxscript.optimizer._constant_folding import FoldConstantsPass
+
     model = toy_models.build_export(export)
     calls = collections.Counter()
-    original_inference = pipeline.FoldConstantsPass._do_inference
+    original_inference = FoldConstantsPass._do_inference
 
     def counted(self, node):
         calls["inferred"] += 1
         original_inference(self, node)
 
-    monkeypatch.setattr(pipeline.FoldConstantsPass, "_do_inference", counted)
+    monkeypatch.setattr(FoldConstantsPass, "_do_inference", counted)
 
     def folded(shared: bool) -> bytes:
         work = ir.serde.deserialize_model(model)
         inferred = {} if shared else None
         with monkeypatch.context() as patch:
             if not shared:
-                patch.setattr(pipeline._FoldConstantsKnownShapesPass, "_do_inference", counted)
+                patch.setattr(folding.FoldConstantsKnownShapesPass, "_do_inference", counted)
             for _ in range(3):
                 pipeline._fold(work, inferred)
         return ir.serde.serialize_model(work).SerializeToString()
@@ -263,19 +264,19 @@ def test_an_inference_is_made_again_when_a_constant_or_attribute_it_reads_is_rep
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["N", 4]))
     shape = ir.Value(name="shape", const_value=ir.tensor(np.array([-1, 2, 2], np.int64)))
     node = ir.node("Reshape", [x, shape], attributes={"allowzero": 0})
-    last = pipeline._inference_reads(node)
-    assert pipeline._same_inference_reads(last, pipeline._inference_reads(node))
+    last = folding.inference_reads(node)
+    assert folding.same_inference_reads(last, folding.inference_reads(node))
     shape.const_value = ir.tensor(np.array([-1, 2, 2], np.int64))  # equal values, a new tensor
-    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
-    last = pipeline._inference_reads(node)
+    assert not folding.same_inference_reads(last, folding.inference_reads(node))
+    last = folding.inference_reads(node)
     node.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
-    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
-    last = pipeline._inference_reads(node)
+    assert not folding.same_inference_reads(last, folding.inference_reads(node))
+    last = folding.inference_reads(node)
     x.shape = ir.Shape([8, 4])
-    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
-    last = pipeline._inference_reads(node)
+    assert not folding.same_inference_reads(last, folding.inference_reads(node))
+    last = folding.inference_reads(node)
     node.outputs[0].shape = ir.Shape([8, 2, 2])  # someone else's shape on the output: merge again
-    assert not pipeline._same_inference_reads(last, pipeline._inference_reads(node))
+    assert not folding.same_inference_reads(last, folding.inference_reads(node))
 
 
 def test_shape_arithmetic_that_feeds_no_pad_or_resize_pins_nothing_and_every_batch_still_runs():
@@ -512,7 +513,7 @@ def test_a_shape_read_folds_without_the_first_fold():
     (0 keeps the batch), as the first fold did; the report does not say the arithmetic stays."""
     model = onnx.parser.parse_model(STATIC_DIMS_READ)
     rewritten = ir.serde.deserialize_model(model)
-    assert not pipeline._folds_before_the_optimizer(rewritten) and pipeline._reads_shapes(rewritten)
+    assert not pipeline._folds_before_the_optimizer(rewritten) and shapes.reads_shapes(rewritten)
     feeds = [{"x": np.random.default_rng(i).normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for i in range(2)]
     prepared, report = kenosis_rewrite.prepare(model, feeds, return_report=True)
     assert not any("stays float" in note for note in report.notes), report.notes

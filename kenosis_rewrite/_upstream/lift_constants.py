@@ -22,12 +22,17 @@ _TENSOR_CLASSES = tuple(getattr(ir, name) for name in ("TensorProtoTensor", "Ten
 
 
 class LiftAllConstantsPass(common_passes.LiftConstantsToInitializersPass):
-    """onnx_ir's pass lifting every Constant (``lift_all_constants=True, size_limit=0``), faster; see the module."""
+    """onnx_ir's pass lifting every Constant (``lift_all_constants=True, size_limit=0``), faster; see the module.
+
+    Internal: ``onnx_ir.passes.common.LiftConstantsToInitializersPass._constant_node_attribute_to_tensor(node,
+    attr_name, attr_value, initializer_name)``, overridden (seen in onnx-ir 0.1.12 - 1.1). Public
+    replacement: none public today (the pass itself, with its Protocol check on every tensor)."""
 
     def __init__(self):
         super().__init__(lift_all_constants=True, size_limit=0)
 
     def _constant_node_attribute_to_tensor(self, node, attr_name, attr_value, initializer_name):
-        if attr_name == "value" and attr_value.type == ir.AttributeType.TENSOR and isinstance(attr_value.value, _TENSOR_CLASSES):
+        if (attr_name == "value" and attr_value.type == ir.AttributeType.TENSOR
+                and isinstance(attr_value.value, _TENSOR_CLASSES)):
             return attr_value.value  # what as_tensor() returns, its check passed by construction
         return super()._constant_node_attribute_to_tensor(node, attr_name, attr_value, initializer_name)

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
-from onnxscript.rewriter._matcher import SimplePatternMatcher
-from onnxscript.rewriter._pattern_ir import NodeOutputPattern, StringConstantPattern
+
+from kenosis_rewrite._upstream import onnxscript_patterns as patterns
 
 __all__ = ["op_filtered", "producer_requirements", "root_op_type"]
 
@@ -29,12 +29,12 @@ __all__ = ["op_filtered", "producer_requirements", "root_op_type"]
 def root_op_type(rule: RewriteRule) -> str | None:
     """The op type every match of ``rule`` starts at (its pattern's first output node), or None
     where the rule could match other op types (a pattern op, a matcher or match of its own)."""
-    if type(rule) is not RewriteRule or type(rule._matcher) is not SimplePatternMatcher:
+    if type(rule) is not RewriteRule or not patterns.uses_simple_matcher(rule):
         return None
-    output_nodes = rule._target_pattern.output_nodes
-    if not output_nodes or not isinstance(output_nodes[0].op, StringConstantPattern):
+    output_nodes = patterns.output_node_patterns(rule)
+    if not output_nodes:
         return None
-    return output_nodes[0].op.value()
+    return patterns.fixed_op_type(output_nodes[0])
 
 
 _Needs = tuple  # ((input index, op type, output index, what that producer's inputs need), ...)
@@ -49,17 +49,17 @@ def producer_requirements(rule: RewriteRule, depth: int = 4) -> _Needs:
     (:func:`root_op_type`)."""
     if root_op_type(rule) is None:
         return ()
-    return _needs_of(rule._target_pattern.output_nodes[0], depth)
+    return _needs_of(patterns.output_node_patterns(rule)[0], depth)
 
 
 def _needs_of(node_pattern, depth: int) -> _Needs:
     if depth <= 0:
         return ()
     needs = []
-    for index, pattern in enumerate(node_pattern.inputs):
-        if type(pattern) is NodeOutputPattern and isinstance(pattern.producer().op, StringConstantPattern):
-            producer = pattern.producer()
-            needs.append((index, producer.op.value(), pattern.output_index, _needs_of(producer, depth - 1)))
+    for index, producer, output_index in patterns.input_producers(node_pattern):
+        op_type = patterns.fixed_op_type(producer)
+        if op_type is not None:
+            needs.append((index, op_type, output_index, _needs_of(producer, depth - 1)))
     return tuple(needs)
 
 
@@ -91,7 +91,8 @@ class _OpTypeDispatch:
         roots = [root_op_type(rule) for rule in self._rules]
         needs = [producer_requirements(rule) for rule in self._rules]
         self._any_op = [(rule, ()) for rule, root in zip(self._rules, roots) if root is None]
-        self._by_op = {root: [(rule, need) for rule, other, need in zip(self._rules, roots, needs) if other in (root, None)]
+        self._by_op = {root: [(rule, need) for rule, other, need in zip(self._rules, roots, needs)
+                              if other in (root, None)]
                        for root in roots if root is not None}
         self._matched: RewriteRule | None = None
 

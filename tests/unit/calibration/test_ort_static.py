@@ -12,9 +12,9 @@ from onnxruntime.quantization import QuantType, quantize_static
 from onnxruntime.quantization.quant_utils import compute_data_quant_params
 
 from kenosis_rewrite import calibration as calib
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.quantization.configuration import per_channel_overrides, quantize_static_options
 from kenosis_rewrite.calibration.ort_static import channel_quant_params, quantize_static_qdq, quantize_static_qdq_proto
+from kenosis_rewrite.quantization.configuration import per_channel_overrides, quantize_static_options
+from kenosis_rewrite.testing import toy_models
 
 
 @pytest.mark.parametrize("quant_type", [onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16])
@@ -129,7 +129,7 @@ def test_indexed_lookups_change_the_graph_as_orts_scans_do(seed):
     from onnx import helper  # noqa: PLC0415
     from onnxruntime.quantization.onnx_model import ONNXModel  # noqa: PLC0415
 
-    from kenosis_rewrite.calibration.ort_static import _ScanningONNXModel  # noqa: PLC0415
+    from kenosis_rewrite.calibration.ort_indexed_model import ScanningONNXModel  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     names = [f"t{i}" for i in range(8)]
@@ -143,7 +143,7 @@ def test_indexed_lookups_change_the_graph_as_orts_scans_do(seed):
         [helper.make_tensor_value_info("o7", onnx.TensorProto.FLOAT, [2])], [tensor(name) for name in names[1:6]])
     graph.initializer.append(tensor("t3"))  # a repeated name: lookups answer the first
     base = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    theirs, ours = ONNXModel(onnx.ModelProto.FromString(base.SerializeToString())), _ScanningONNXModel(
+    theirs, ours = ONNXModel(onnx.ModelProto.FromString(base.SerializeToString())), ScanningONNXModel(
         onnx.ModelProto.FromString(base.SerializeToString()))
     added = 0
     for _ in range(120):
