@@ -42,7 +42,8 @@ from kenosis_rewrite.errors import (
     UnsupportedValueTypeError,
     ZooError,
 )
-from kenosis_rewrite.placement.pipeline import TARGETS, FixPass, fix, fix_with_report, rules
+from kenosis_rewrite.placement.fix_pass import TARGETS, FixPass, rules
+from kenosis_rewrite.placement.pipeline import fix, fix_with_report
 from kenosis_rewrite.quantization.pipeline import quantize
 from kenosis_rewrite.weight_only.weights import quantize_weights
 from kenosis_rewrite._submodules import submodule_getattr

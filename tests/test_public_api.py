@@ -70,3 +70,11 @@ def test_fix_with_report_still_works_and_says_it_is_deprecated():
     assert old_report.to_dict() == new_report.to_dict()
     for a, b in zip(model_checks.outputs(old, feeds[0]), model_checks.outputs(new, feeds[0])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_prepare_feeds_keyword_still_works_and_says_it_is_deprecated():
+    float_model = toy_models.build("conv_relu")
+    feeds = toy_models.random_feeds(float_model, 2)
+    with pytest.warns(DeprecationWarning, match=r"use calibration="):
+        old = kenosis_rewrite.prepare(float_model, feeds=feeds)
+    assert old.SerializeToString() == kenosis_rewrite.prepare(float_model, calibration=feeds).SerializeToString()

@@ -48,6 +48,8 @@ step 5 measures on the caller's inputs.
 
 from __future__ import annotations
 
+import warnings
+
 import collections
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -215,19 +217,20 @@ def canonicalize(model: ir.Model, report: FixReport, shapes: Mapping[str, Sequen
 
 def prepare(
     model: model_io.ModelLike,
-    feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
+    calibration: Iterable[Mapping[str, np.ndarray]] | None = None,
     *,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     pin_shapes: bool = True,
     verify: bool = True,
     strict: bool = False,
     return_report: bool = False,
+    feeds: Iterable[Mapping[str, np.ndarray]] | None = None,
 ):
     """Canonicalize an FP32 model (see the module docstring); the original is never modified.
 
     Args:
         model: the FP32 model (ModelProto, onnx_ir.Model or path).
-        feeds: inputs the model will see (calibration data): their shapes pin symbolic dims where
+        calibration: inputs the model will see (calibration data): their shapes pin symbolic dims where
             the graph computes with shapes, and the prepared model is verified on them. Without
             feeds, random inputs of the declared (static) shapes verify it.
         input_shapes: explicit shapes per input name (override the feeds' shapes).
@@ -239,12 +242,16 @@ def prepare(
     Returns:
         The prepared model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
     """
+    if feeds is not None:
+        warnings.warn("prepare(feeds=) is deprecated and will be removed in the next release: use calibration=",
+                      DeprecationWarning, stacklevel=2)
+        calibration = feeds if calibration is None else calibration
     loaded = model_io.load(model, require_qdq=False)
     model_io.check_float(loaded.model, "prepare()")
     report = FixReport(target="prepare")
     for note in loaded.notes:
         report.note(note)
-    prepared = prepare_serialized(ir.serde.serialize_model(loaded.model), feeds, report, input_shapes=input_shapes,
+    prepared = prepare_serialized(ir.serde.serialize_model(loaded.model), calibration, report, input_shapes=input_shapes,
                                   pin_shapes=pin_shapes, verify=verify, strict=strict, work=loaded.model)
     result = prepared if loaded.returns == "ir" else ir.serde.serialize_model(prepared)
     return (result, report) if return_report else result

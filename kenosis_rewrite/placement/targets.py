@@ -42,7 +42,7 @@ from kenosis_rewrite.graph.dequantize import DequantizeBiasPass
 from kenosis_rewrite.placement.passes.activation_scale_folding import FoldPerChannelActivationScalesPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.placement.passes.concat_on_codes import ConcatOnCodesPass
-from kenosis_rewrite.placement.passes.qdq_propagation import DequantizeAfterSplitPass, DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
+from kenosis_rewrite.placement.passes.qdq_propagation import DequantizeAfterPadPass, DequantizeAfterSplitPass, DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
 from kenosis_rewrite.placement.passes.qparam_propagation import PassThroughQParamsPass
 from kenosis_rewrite.placement.passes.requantize_after_movement import RequantizeAfterDataMovementPass
 from kenosis_rewrite.placement.passes.shape_arithmetic import FloatShapeArithmeticPass
@@ -116,6 +116,9 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
 
 def _ort_post(report: Report) -> list:
     return [
+        # a Pad between a DQ and the Conv it pads for (EfficientNet's static_padding) runs on the codes;
+        # after the rules, which want the Q -> DQ pair next to each other (zero point to qmin after a Relu)
+        DequantizeAfterPadPass(report),
         PassThroughQParamsPass(report),
         # MaxPool/Concat outputs left float (NNCF's SPPF) would keep the Conv they feed float
         DequantizeForwardPass(report, ops=frozenset({"MaxPool", "Concat"}), float_consumers_only=True),
@@ -172,7 +175,7 @@ TARGETS: dict[str, Target] = {
         ],
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
         post_passes=lambda report: [
-            DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
+            DequantizeAfterPadPass(report), DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
             DequantizeBiasPass(report), ActivationBeforeDataMovementPass(report), RequantizeAfterDataMovementPass(report),
         ],
     ),

@@ -28,7 +28,8 @@ from kenosis_rewrite.placement.passes.dynamic_activations import DynamicActivati
 from kenosis_rewrite.placement.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.placement.passes.output_quantizers import RULE_NAME as OUTPUT_QUANTIZERS
 from kenosis_rewrite.placement.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
-from kenosis_rewrite.placement.pipeline import CleanupPass, FixPass, _latency_placement, apply_rules
+from kenosis_rewrite.placement.fix_pass import CleanupPass, FixPass, apply_rules
+from kenosis_rewrite.placement.pipeline import _latency_placement
 from kenosis_rewrite.placement.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
 from kenosis_rewrite.quantization.calibration_stage import Calibrated
 from kenosis_rewrite.quantization.configuration import Configuration

@@ -30,6 +30,9 @@ Exactness: exact in real arithmetic (every Q produces the integers it produced b
 products of rescaled weights and scales round differently, so a value lying on a rounding tie may
 land one step away. Reported as approximate; ``fix()``'s run-time guard measures it.
 
+A Pad between the DQ and a depthwise Conv that pads with 0 (or copies edges) off the channel axis is
+read through: it commutes with a per-channel factor (EfficientNet's ``static_padding``).
+
 Refused with a reason: parameters that are not constants or differ between the DQs, zero points
 that differ between channels of a tensor that can be negative, a quantized tensor read by anything but DequantizeLinear ->
 depthwise Conv input, a producer that is not a Conv with constant dequantized weights (or is
@@ -47,6 +50,7 @@ import onnx_ir as ir
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph import value_range
 from kenosis_rewrite.graph.pass_base import ReportingPass
+from kenosis_rewrite.placement.passes.qdq_propagation import pad_axis_refusal, pad_code
 
 RULE_NAME = "fold-per-channel-activation-scales"
 _HOMOGENEOUS = ("Relu", "LeakyRelu")  # f(a x) = a f(x) for a > 0: unaffected by per-channel factors
@@ -74,6 +78,21 @@ def _weight_dequantize(conv: ir.Node) -> ir.Node | str:
     if params is None or params.block_size or not (params.is_per_tensor or params.axis % max(rank, 1) == 0):
         return f"weight of {conv.op_type} {conv.name!r} is not quantized per tensor or per output channel"
     return dq
+
+
+def _readers_through_pads(value: ir.Value, params: qdq_params.QuantParams) -> list[tuple[ir.Node, int]]:
+    """The readers of ``value``, and in place of a Pad that pads with 0 (or copies edges) off the channel
+    axis, the Pad's readers: such a Pad commutes with a per-channel factor (EfficientNet's
+    ``static_padding`` between NNCF's DQ and the depthwise Conv)."""
+    readers = []
+    for user, index in value.uses():
+        output = user.outputs[0] if qdq_params.is_op(user, "Pad") else None
+        if (output is not None and index == 0 and not output.is_graph_output() and not pad_axis_refusal(user, params)
+                and pad_code(user, params) in (None, *np.unique(params.zero_point).tolist())):
+            readers.extend(output.uses())
+        else:
+            readers.append((user, index))
+    return readers
 
 
 def _is_depthwise(conv: ir.Node, channels: int) -> bool:
@@ -130,7 +149,7 @@ class FoldPerChannelActivationScalesPass(ReportingPass):
         for dq in consumers:
             if dq.outputs[0].is_graph_output():
                 return f"dequantized tensor {dq.outputs[0].name!r} is a graph output"
-            for user, index in dq.outputs[0].uses():
+            for user, index in _readers_through_pads(dq.outputs[0], written):
                 if index != 0 or not _is_depthwise(user, channels):
                     return (f"{user.op_type} {user.name!r} reads the dequantized tensor and is not a depthwise Conv "
                             "(only a depthwise Conv can take a channel's step into its own weights)")

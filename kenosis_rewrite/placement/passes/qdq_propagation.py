@@ -16,6 +16,12 @@ parameters.
 * **DQ past Split**: ``DQ(q; s, z) -> Split -> y_i``  ==>  ``Split(q) -> DQ(.; s, z) -> y_i``, one DQ
   per used output. Split only selects elements; exact by the same proof. NNCF writes
   ``Q -> DQ -> Split -> Conv`` (YOLOv8's C2f blocks); ORT fuses a Conv only when a DQ feeds it directly.
+* **DQ past Pad** (opset >= 11): ``DQ(q; s, z) -> Pad(mode, v)``  ==>  ``Pad(q, mode, c) -> DQ(.; s, z)``.
+  ``edge``/``reflect``/``wrap`` only copy elements: exact by the same proof. ``constant`` fills with
+  ``v``; on the codes it fills with ``c = z + v / s``, exact when ``c`` is an integer of the type's range
+  (``v = 0``: ``c = z``, which dequantizes to 0 exactly). Per-axis parameters: ``v = 0`` with one zero
+  point for every channel, and no padding along the parameters' axis. ORT fuses a Conv only when a DQ
+  feeds it directly; EfficientNet exports pad each Conv's input with a static ``Pad`` (``static_padding``).
 * **Redundant pairs**: ``DQ(s, z) -> Q(s, z)`` with identical parameters and type is the identity
   on the quantized tensor (``rint((q - z) s / s) + z = q``, already in range), so consumers of the
   Q read the DQ's input. Exact. Together with DQ forward this also removes ``Q -> DQ -> Q -> DQ``.
@@ -26,6 +32,7 @@ of the ops that consume them, with data movement done on int8 tensors.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from kenosis_rewrite.core import op_tables
@@ -156,6 +163,89 @@ class DequantizeAfterSplitPass(ReportingPass):
             _redirect(old, dequantize.outputs[0])
         self.changed(split.name or "Split", "Split now runs on the quantized tensor", exact=True)
         return True
+
+
+PAD_CODES_OPSET = 11  # Pad takes 8-bit tensors and its pads as an input from opset 11
+
+
+class DequantizeAfterPadPass(ReportingPass):
+    """``DQ -> Pad`` ==> ``Pad -> DQ`` on the codes; see the module docstring."""
+
+    rule_name = "move-dq-past-pad"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, modified, names = model.graph, False, None
+        if qdq_params.default_opset(model) < PAD_CODES_OPSET:
+            return ir.passes.PassResult(model, modified=False)
+        for node in list(graph):
+            if qdq_params.is_op(node, "Pad") and node.inputs and qdq_params.is_dequantize(node.inputs[0].producer()):
+                names = names or qdq_params.NameAllocator(graph)
+                modified |= self._move(graph, node, names)
+        remove_unused_nodes(model, modified)
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _move(self, graph: ir.Graph, pad: ir.Node, names: qdq_params.NameAllocator) -> bool:
+        dq = pad.inputs[0].producer()
+        params = qdq_params.quant_params(dq)
+        where = pad.name or "Pad"
+        if params is None:
+            return False
+        reason = pad_axis_refusal(pad, params)
+        code = None if reason else pad_code(pad, params)
+        if reason or isinstance(code, str):
+            self.refused(where, reason or code)
+            return False
+        inputs = [dq.inputs[0], *pad.inputs[1:]]
+        if code is not None:
+            fill = names.fresh(f"{where}_code")
+            value = qdq_params.add_initializer(graph, qdq_params.integer_tensor(np.asarray(code), params.dtype, fill), fill)
+            inputs += [None] * (3 - len(inputs))
+            inputs[2] = value
+        moved = ir.Node(pad.domain, "Pad", inputs, attributes=list(pad.attributes.values()), name=names.fresh(f"{where}_q"))
+        graph.insert_after(pad, moved)
+        dequantize = ir.Node("", "DequantizeLinear", [moved.outputs[0], *dq.inputs[1:]],
+                             attributes=list(dq.attributes.values()), name=names.fresh(f"{dq.name or 'dq'}_pad"))
+        graph.insert_after(moved, dequantize)
+        _redirect(pad.outputs[0], dequantize.outputs[0])
+        self.changed(where, "Pad now runs on the quantized tensor" + (f" (fill code {code})" if code is not None else ""),
+                     exact=True)
+        return True
+
+
+def pad_code(pad: ir.Node, params: qdq_params.QuantParams) -> int | str | None:
+    """The code a constant Pad fills with on the quantized tensor (None: not a constant Pad), or why none is exact."""
+    if pad.attributes.get_string("mode", "constant") != "constant":
+        return None
+    fill = pad.inputs[2] if len(pad.inputs) > 2 else None
+    value = 0.0
+    if fill is not None:
+        array = qdq_params.const_array(fill)
+        if array is None or array.size != 1:
+            return "the pad value is not a constant scalar"
+        value = float(array.reshape(-1)[0])
+    zero_points = np.unique(params.zero_point)
+    if len(zero_points) != 1 or (not params.is_per_tensor and value != 0.0):
+        return "per-channel parameters with a pad value other than 0 or zero points that differ"
+    code = float(zero_points[0]) + value / float(np.asarray(params.scale).reshape(-1)[0])
+    if code != round(code) or not params.qmin <= code <= params.qmax:
+        return f"the pad value {value:g} is not a value of the quantized grid"
+    return int(round(code))
+
+
+def pad_axis_refusal(pad: ir.Node, params: qdq_params.QuantParams) -> str:
+    """Why per-axis parameters cannot follow this Pad (it pads their axis, or its pads are unknown); ""."""
+    if params.is_per_tensor:
+        return ""
+    if len(pad.inputs) > 3 and pad.inputs[3] is not None:
+        return "a Pad with axes and per-channel parameters"
+    pads = qdq_params.const_array(pad.inputs[1]) if len(pad.inputs) > 1 and pad.inputs[1] is not None else None
+    if pads is None:
+        return "the pads of a Pad before per-channel parameters are not constant"
+    rank = pads.size // 2
+    axis = params.axis % rank if rank else 0
+    if pads.reshape(-1)[axis] or pads.reshape(-1)[axis + rank]:
+        return "the Pad pads the axis of the per-channel parameters"
+    return ""
 
 
 class QuantizeBackwardPass(ReportingPass):

@@ -1,0 +1,194 @@
+"""What ``fix()`` does with the run-time guard's verdict (:mod:`kenosis_rewrite.placement.guard`).
+
+A rewrite the guard rejects is undone and rebuilt: candidate sets of rules are disabled in turn until
+the result passes, then, where one rule was at fault, it is undone only at the sites that cost the
+fidelity (released half by half under the guard). Where the guard is blind (made-up feeds that do not
+drive the model), rules whose cost only data shows stay out; where it cannot run the input at all,
+only the rewrites proven exact are applied. A closing round applies the pipeline once more to what
+passed, held to the same guard, so that a second ``fix()`` finds nothing left to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import onnx
+
+from kenosis_rewrite.core import interleaved_timing, model_io
+from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
+from kenosis_rewrite.placement.fix_pass import _fix_once
+from kenosis_rewrite.placement.guard import Guard, candidate_undos
+from kenosis_rewrite.placement.passes import output_quantizers
+
+# Rules that add a rounding step on a grid set from the graph alone, whose cost compounds over
+# layers: kept only where the guard can measure them. On PP-OCRv5's DB text detector quantized by
+# NNCF, 34 HardSwish inputs given their saturation grids took the cosine against FP32 from 0.851 to
+# 0.780, which random feeds could not show (there the input's own cosine is 0.045). With
+# calibration= feeds the guard measures them on data.
+UNVERIFIABLE_BLIND = frozenset({output_quantizers.RULE_NAME})
+
+
+def _guarded_fix(
+    model: model_io.ModelLike, first: model_io.LoadedModel, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
+) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """FixPass on ``first`` (the caller's ``model``, loaded), then the run-time guard; rules the guard
+    rejects are undone (the model is loaded again from the caller's input and rebuilt without them)
+    and the report says why. Where the guard is blind (:meth:`Guard.blindness`), the rules of
+    :data:`UNVERIFIABLE_BLIND` that changed the model are undone first, and stay undone."""
+    loaded, report = _fix_once(first, target, frozenset(), output_ranges)
+    if guard is None:
+        return loaded, report, None
+    after = model_io.in_memory_proto(loaded.model)
+    if after is None:
+        return loaded, report, after
+    if guard.levels_note:
+        report.note(guard.levels_note)
+    if guard.unavailable:
+        return _exact_only(model, loaded, report, after, target, guard, output_ranges)
+    blind = guard.blindness()
+    kept_out = frozenset(c.rule for c in report.changes if c.rule in UNVERIFIABLE_BLIND) if blind else frozenset()
+    if kept_out:
+        problem = (f"{blind}; {', '.join(sorted(kept_out))} adds roundings whose cost only data shows (pass "
+                   "calibration= feeds to apply it, measured on them)")
+        candidates = [frozenset(), *candidate_undos(report)]
+    else:
+        problem = guard.violation(after, report)
+        if problem is None:
+            return loaded, report, after
+        candidates = candidate_undos(report)
+    for disabled in [*candidates, None]:
+        if disabled is None:  # nothing short of no rewrite at all passes: return the input as it was
+            loaded = model_io.load(model, lazy=True)
+            retry_report, retry_after = FixReport(target=target), model_io.in_memory_proto(loaded.model)
+            undone = "every rewrite"
+        else:
+            disabled = disabled | kept_out
+            loaded, retry_report = _fix_once(model, target, disabled, output_ranges)
+            retry_after = model_io.in_memory_proto(loaded.model)
+            if guard.violation(retry_after, retry_report) is not None:
+                continue
+            undone = ", ".join(sorted(disabled))
+        held: frozenset = frozenset()
+        at_sites = _undone_at_sites(model, target, disabled, kept_out, report, guard, output_ranges)
+        if at_sites is not None:
+            (loaded, retry_report, retry_after), held, undone = at_sites
+            retry_report.refusals[:0] = _held_site_refusals(report, held, problem)
+        else:
+            retry_report.refusals[:0] = [
+                Refusal(rule, "whole model", f"{GUARD_UNDO_REASON}: {problem}") for rule in sorted(disabled or ())
+            ]
+        retry_report.note(f"run-time guard: {problem}; undone: {undone}")
+        if disabled is not None and retry_after is not None:
+            loaded, retry_report, retry_after = _closing_round(loaded, retry_report, retry_after, target, guard,
+                                                               output_ranges, kept_out, held)
+        if target.startswith("ort-cpu") and interleaved_timing.u8s8_saturates():
+            retry_report.note(
+                "this host is x86 without VNNI: ORT's uint8 x int8 kernels saturate int16 pair sums here, so "
+                "integer kernels lose accuracy that the same graph keeps on a VNNI host (measure there before deploying)"
+            )
+        return loaded, retry_report, retry_after
+    raise AssertionError("unreachable")
+
+
+MAX_SITE_TRIALS = 16  # fix() runs the per-site search may spend, each held to the guard
+
+
+def _sites_of(report: FixReport, rule: str) -> list:
+    """The sites (match roots) of ``rule``'s changes in ``report``, in order; None among them where a
+    change's site is unknown (a pass's change, an unnamed root node)."""
+    return list(dict.fromkeys(report.sites.get((rule, change.where)) for change in report.changes if change.rule == rule))
+
+
+def _undone_at_sites(
+    model: model_io.ModelLike, target: str, disabled: frozenset[str] | None, kept_out: frozenset[str], report: FixReport,
+    guard: Guard, output_ranges: Mapping | None,
+) -> tuple[tuple[model_io.LoadedModel, FixReport, onnx.ModelProto], frozenset, str] | None:
+    """Where the guard passed with one rule undone, that rule undone only at the sites that cost the
+    fidelity: the sites are released half by half (each try a fix() held to the guard) and those whose
+    release fails stay held. Returns the result, the held ``(rule, site)`` pairs and what was undone;
+    None where the rule's sites are unknown, or holding fewer of them does not pass."""
+    rules = (disabled or frozenset()) - kept_out
+    if len(rules) != 1:
+        return None
+    rule = next(iter(rules))
+    sites = _sites_of(report, rule)
+    if len(sites) < 2 or None in sites:
+        return None
+    held, best, trials = set(sites), None, 0
+
+    def release(chunk: list) -> None:
+        nonlocal best, trials
+        if trials >= MAX_SITE_TRIALS:
+            return
+        trials += 1
+        pairs = frozenset((rule, site) for site in held - set(chunk))
+        loaded, trial_report = _fix_once(model, target, kept_out, output_ranges, pairs)
+        after = model_io.in_memory_proto(loaded.model)
+        if after is not None and guard.violation(after, trial_report) is None:
+            held.difference_update(chunk)
+            best = (loaded, trial_report, after)
+        elif len(chunk) > 1:
+            release(chunk[:len(chunk) // 2])
+            release(chunk[len(chunk) // 2:])
+
+    release(sites[:len(sites) // 2])  # releasing them all is what failed
+    release(sites[len(sites) // 2:])
+    if best is None or len(held) == len(sites):
+        return None
+    pairs = frozenset((rule, site) for site in held)
+    return best, pairs, f"{rule} at {len(held)} of its {len(sites)} sites (kept at the others)"
+
+
+def _held_site_refusals(report: FixReport, held: frozenset, problem: str) -> list[Refusal]:
+    """A refusal for each change of ``report`` made at a held site: where the guard undid its rule."""
+    return [Refusal(change.rule, change.where, f"{GUARD_UNDO_REASON} at this site: {problem}")
+            for change in report.changes if (change.rule, report.sites.get((change.rule, change.where))) in held]
+
+
+UNCHECKED_HINT = ("pass calibration= feeds the model runs on (or input_shapes= that pin its symbolic dims) so "
+                  "the guard can run it and check them")
+
+
+def _exact_only(
+    model: model_io.ModelLike, loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto, target: str,
+    guard: Guard, output_ranges: Mapping | None,
+) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """Where the guard cannot run the input, only rewrites proven bit-exact are applied: the rules
+    that made an approximate change are held back, and the report says which and how to lift that."""
+    held_back = frozenset(change.rule for change in report.changes if not change.exact)
+    if not held_back:
+        report.note(f"{guard.unavailable}; every change is exact, so none was held back")
+        return loaded, report, after
+    loaded, exact_report = _fix_once(model, target, held_back, output_ranges)
+    exact_report.refusals[:0] = [
+        Refusal(rule, "whole model", f"held back: not exact, and {guard.unavailable}") for rule in sorted(held_back)
+    ]
+    exact_report.note(f"{guard.unavailable}: only exact rewrites were applied; held back: {', '.join(sorted(held_back))} "
+                      f"({UNCHECKED_HINT})")
+    return loaded, exact_report, model_io.in_memory_proto(loaded.model)
+
+
+def _closing_round(
+    loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto, target: str, guard: Guard,
+    output_ranges: Mapping | None, kept_out: frozenset[str], held_sites: frozenset = frozenset(),
+) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto]:
+    """The pipeline once more on the model the guard let through with rules undone, held to the same
+    guard (the caller's input). A rule undone on the input graph can pass on the rewritten one:
+    applied after the other rules moved and merged the Q/DQ, the symmetric int8 conversion no longer
+    widens pairs they remove (fuzz seed 30000103). Without this round a second fix() made that
+    rewrite, held only to its own input: fix() was not idempotent. The round's model is taken when
+    it changed and passes; otherwise the model as it was. ``kept_out``: rules it leaves out too;
+    ``held_sites``: the sites where the guard undid a rule, left alone too."""
+    again, again_report = _fix_once(after, target, kept_out, output_ranges, held_sites)
+    if not again_report.changes:
+        return loaded, report, after
+    merged = FixReport(target=target, changes=[*report.changes, *again_report.changes],
+                       refusals=list(report.refusals), notes=list(report.notes), fidelity=report.fidelity)
+    again_after = model_io.in_memory_proto(again.model)
+    if again_after is None or guard.violation(again_after, merged) is not None:
+        return loaded, report, after
+    applied = {change.rule for change in again_report.changes}
+    merged.refusals = [refusal for refusal in merged.refusals if refusal.rule not in applied]
+    merged.note(f"run-time guard: applied to the rewritten model, {', '.join(sorted(applied))} passes it")
+    again.returns = loaded.returns
+    return again, merged, again_after
