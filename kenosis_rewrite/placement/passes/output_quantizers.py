@@ -222,6 +222,16 @@ def covering_grid(lo: float, hi: float, qmin: int, qmax: int) -> tuple[np.float3
     return scale, zero_point
 
 
+def _in_float_type(scale: np.float32, like: qdq_params.QuantParams) -> np.ndarray:
+    """``scale`` in the float type of the grid it copies (float16 in a float16 model: QuantizeLinear's
+    input and scale share one type), rounded up so that the grid still reaches both ends."""
+    dtype = np.asarray(like.scale).dtype if np.issubdtype(np.asarray(like.scale).dtype, np.floating) else np.float32
+    typed = np.asarray(scale, dtype)
+    if typed < scale:
+        typed = np.nextafter(typed, dtype.type(np.inf))
+    return np.asarray(typed, dtype)
+
+
 def candidates(graph: ir.Graph) -> list[ir.Node]:
     """The weighted ops one of whose tensors :func:`sites` would quantize."""
     return list(dict.fromkeys(site.op for site in sites(graph)))
@@ -312,7 +322,7 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         producer, output = site.value.producer(), site.value
         base = output.name
         scale_name = names.fresh(f"{base}_output_scale")
-        scale_value = qdq_params.add_initializer(graph, ir.tensor(np.asarray(scale, np.float32), name=scale_name), scale_name)
+        scale_value = qdq_params.add_initializer(graph, ir.tensor(_in_float_type(scale, like), name=scale_name), scale_name)
         zp_name = names.fresh(f"{base}_output_zero_point")
         zp_value = qdq_params.add_initializer(graph, qdq_params.integer_tensor(np.asarray(zero_point), like.dtype, zp_name), zp_name)
         readers = list(output.uses())

@@ -89,7 +89,9 @@ class QuantizeSigmoidGate(ReportingRule):
         q_node = q.producer()
         base = gate.name or "sigmoid"
         constant = qdq_params.constant_maker(op, lambda name: self.fresh_name(q_node.graph, name), base)
-        scale, zero = constant(1.0 / _TOP, np.float32, "gate_scale"), constant(0, np.uint8, "gate_zero_point")
+        # the scale in the product's own float type: QuantizeLinear's input and scale share one type
+        float_type = qdq_params.quant_params(q_node).scale.dtype
+        scale, zero = constant(1.0 / _TOP, float_type, "gate_scale"), constant(0, np.uint8, "gate_zero_point")
         quantized_gate = op.DequantizeLinear(op.QuantizeLinear(gate, scale, zero), scale, zero)
         factors = [a, b]
         factors[index] = quantized_gate
