@@ -17,6 +17,7 @@ is reachable as an attribute: ``kenosis_rewrite.placement.rules.prelu``.
 
 from __future__ import annotations
 
+from kenosis_rewrite._submodules import submodule_getattr
 from kenosis_rewrite.canonicalization.pipeline import prepare
 from kenosis_rewrite.core.model_io import save
 from kenosis_rewrite.core.report import FixReport
@@ -46,7 +47,6 @@ from kenosis_rewrite.placement.fix_pass import TARGETS, FixPass, rules
 from kenosis_rewrite.placement.pipeline import fix, fix_with_report
 from kenosis_rewrite.quantization.pipeline import quantize
 from kenosis_rewrite.weight_only.weights import quantize_weights
-from kenosis_rewrite._submodules import submodule_getattr
 
 __version__ = "0.1.0"
 

@@ -15,13 +15,12 @@ import types
 import numpy as np
 import onnx
 import pytest
-
-from kenosis_rewrite.core import interleaved_timing
-from kenosis_rewrite.benchmark import bench
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
-
 from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
+
+from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
+from kenosis_rewrite.testing import toy_models
 
 # --------------------------------------------------------------------------- fixtures
 

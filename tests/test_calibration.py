@@ -13,7 +13,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, quantize_static
 
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.calibration import (
     CalibrationError,
     PercentileTails,
@@ -29,6 +28,7 @@ from kenosis_rewrite.calibration import (
     synthetic_feeds,
 )
 from kenosis_rewrite.core.fidelity import compare_to_float
+from kenosis_rewrite.testing import toy_models
 
 
 def _session_outputs(model: onnx.ModelProto, feeds: list[dict]) -> dict[str, list[np.ndarray]]:
@@ -479,7 +479,7 @@ def test_reader_over_feed_dicts_rewinds_and_streams():
     assert [f["x"][0, 0] for f in iter(reader.get_next, None)] == [0, 1, 2]
     reader.rewind()
     assert reader.get_next()["x"][0, 0] == 0
-    generated = calibration_reader(({"x": np.zeros((1, 2), np.float32)} for _ in range(4)))
+    generated = calibration_reader({"x": np.zeros((1, 2), np.float32)} for _ in range(4))
     assert sum(1 for _ in iter(generated.get_next, None)) == 4
     with pytest.raises(CalibrationError):
         calibration_reader("not-a-folder-or-synthetic", toy_models.build("conv_relu"))

@@ -9,10 +9,9 @@ import sys
 import numpy as np
 import onnx
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.cli import main as cli
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _save_quantized(tmp_path, config="sym"):

@@ -18,13 +18,11 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
 import kenosis_rewrite
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.testing import fuzz
-from kenosis_rewrite.placement import guard
 from kenosis_rewrite.accuracy import protection
-from kenosis_rewrite.graph import value_range
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.placement import guard
+from kenosis_rewrite.testing import fuzz, model_checks
 
 logging.getLogger().setLevel(logging.ERROR)
 
@@ -175,7 +173,8 @@ def test_fix_keeps_a_deleted_clip_whose_quantizer_has_round_bounds():
             fixed, report = kenosis_rewrite.fix(qdq, target=target, verify=False, return_report=True)
             assert not report.change_counts().get("fold-batchnorm-into-conv"), (activation_type, target)
             reference = model_checks.outputs(model, feeds[4])[0]
-            assert _cos(reference, model_checks.outputs(fixed, feeds[4])[0]) >= _cos(reference, model_checks.outputs(qdq, feeds[4])[0]) - 0.002
+            assert (_cos(reference, model_checks.outputs(fixed, feeds[4])[0])
+                    >= _cos(reference, model_checks.outputs(qdq, feeds[4])[0]) - 0.002)
 
 
 def test_round_range_bounds_are_read_only_from_grids_of_round_ranges():

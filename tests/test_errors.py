@@ -157,8 +157,8 @@ def test_invalid_graph_is_refused():
 
 
 def test_every_error_is_a_kenosis_error():
-    for name in ("NotAnOnnxModelError", "InvalidModelError", "AlreadyQuantizedError", "ControlFlowError", "NoQDQError", "QOperatorFormatError",
-                 "UnsupportedOpsetError", "ModelTooLargeError", "UnsupportedTargetError", "ZooError",
+    for name in ("NotAnOnnxModelError", "InvalidModelError", "AlreadyQuantizedError", "ControlFlowError", "NoQDQError",
+                 "QOperatorFormatError", "UnsupportedOpsetError", "ModelTooLargeError", "UnsupportedTargetError", "ZooError",
                  "RuntimeMeasurementError", "RewriteError"):
         assert issubclass(getattr(kenosis_rewrite, name), kenosis_rewrite.KenosisError)
 

@@ -13,8 +13,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError
 from kenosis_rewrite.diagnosis.explain import (
     R_ACTIVATION,
     R_FANOUT,
@@ -31,9 +29,11 @@ from kenosis_rewrite.diagnosis.explain import (
     base_name,
     explain,
 )
+from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError
+from kenosis_rewrite.testing import toy_models
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _quantized_bytes(name: str, config: str) -> bytes:
     model = toy_models.build(name)
     if config != "fp32":
@@ -46,7 +46,7 @@ def quantized(name: str, config: str) -> onnx.ModelProto:
     return onnx.load_from_string(_quantized_bytes(name, config))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _report(name: str, config: str) -> FusionReport:
     return explain(quantized(name, config))
 
@@ -420,8 +420,8 @@ def test_base_name_strips_ort_suffixes():
 
 def test_attention_products_are_explained_as_float_by_design():
     from kenosis_rewrite import quantize
-    from kenosis_rewrite.weight_only import weights
     from kenosis_rewrite.diagnosis.explain import R_ACTIVATION_PRODUCT
+    from kenosis_rewrite.weight_only import weights
 
     transformer = weights.toy_transformer(hidden=64, layers=1, heads=4, seq=16)
     rng = np.random.default_rng(0)

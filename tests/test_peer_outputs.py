@@ -10,9 +10,9 @@ import onnx
 import pytest
 
 from kenosis_rewrite import explain, fix
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.testing import model_checks
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 PEER_OUTPUTS = sorted(p.name for p in FIXTURES.glob("*.onnx") if not p.name.endswith(("_fp32.onnx", "_fp16.onnx")))

@@ -11,12 +11,11 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite.benchmark import bench
+from kenosis_rewrite.benchmark import bench, peers
 from kenosis_rewrite.cli import main as cli
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.benchmark import peers
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.errors import KenosisError, one_line
+from kenosis_rewrite.testing import toy_models
 
 FAKE_NNCF = '''
 __version__ = "0-stand-in"

@@ -9,10 +9,9 @@ import onnxscript
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.placement.targets import TARGETS
+from kenosis_rewrite.testing import model_checks, toy_models
 
 CONFIGS = ["default", "u8s8", "sym", "keep", "convmm", "pc"]
 NETS = ["resnetish", "conv_add_relu", "conv_clip_maxpool", "concat", "conv_silu", "conv_prelu", "gap_head",

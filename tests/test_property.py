@@ -153,9 +153,9 @@ def test_scale_jitter_moves_only_the_activation_steps():
 def test_a_real_fidelity_drop_still_fails_on_a_well_conditioned_graph():
     """The 1% jitter moves a well-conditioned graph's fidelity by less than half the tolerance, so a rewrite that ruins the
     outputs fails as before (its message gives the jitter's range)."""
+    from kenosis_rewrite.core.report import FixReport  # noqa: PLC0415
     from kenosis_rewrite.testing import fuzz_properties as properties  # noqa: PLC0415
     from kenosis_rewrite.testing.fuzz_running import jittered_cosines  # noqa: PLC0415
-    from kenosis_rewrite.core.report import FixReport  # noqa: PLC0415
 
     ref = _reference(1)
     jittered = jittered_cosines(ref.qdq, ref.eval_feeds, ref.fp32_outputs, seed=1)

@@ -10,8 +10,8 @@ import pytest
 
 import kenosis_rewrite
 from kenosis_rewrite import errors
-from kenosis_rewrite.testing import model_checks, toy_models
 from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.testing import model_checks, toy_models
 
 PUBLIC = {
     "fix", "quantize", "quantize_weights", "prepare", "explain", "save", "rules",

@@ -12,14 +12,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.accuracy import protection
-from kenosis_rewrite.accuracy import sensitivity
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.accuracy import protection, sensitivity
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def test_self_calibrated_quantize_is_all_integer_and_protects_outputs():

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import onnx
 import pytest
+from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import interleaved_timing
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
 from kenosis_rewrite import zoo
-
-from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
+from kenosis_rewrite.core import fidelity, interleaved_timing, ort_quantize
+from kenosis_rewrite.testing import model_checks
 
 pytestmark = pytest.mark.real_model
 

@@ -19,11 +19,11 @@ import pytest
 from onnx import TensorProto, helper
 
 import kenosis_rewrite
-from kenosis_rewrite.core import model_io
 from kenosis_rewrite.cli import batch
 from kenosis_rewrite.cli import main as cli
-from kenosis_rewrite.weight_only import weights
+from kenosis_rewrite.core import model_io
 from kenosis_rewrite.errors import ModelTooLargeError
+from kenosis_rewrite.weight_only import weights
 
 HIDDEN, LAYERS = 64, 3
 

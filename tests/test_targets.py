@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from onnxscript.rewriter import RewriteRuleSet
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.placement import targets
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.testing import model_checks, toy_models
 
 NETS = ["resnetish", "conv_silu", "conv_leakyrelu", "concat", "conv_relu_maxpool", "conv_hardswish", "conv_bn"]
 
@@ -51,7 +50,7 @@ def test_every_target_gives_a_valid_model_close_to_fp32(name, target):
 def test_tensorrt_placement(name):
     _, _, qdq = _case(name)
     fixed = kenosis_rewrite.fix(qdq, target="tensorrt")
-    for _, scale, zero_point in _activation_quantizers(fixed):
+    for _, _scale, zero_point in _activation_quantizers(fixed):
         assert zero_point is not None and zero_point.dtype == np.int8 and not zero_point.any()
     for node in fixed.graph.node:
         if node.op_type in ("Relu", "LeakyRelu", "HardSwish", "Sigmoid"):
@@ -93,7 +92,7 @@ def test_arm_target_keeps_int8_activations():
 def test_targets_are_data():
     for name, target in targets.TARGETS.items():
         assert target.name == name and target.facts.basis and target.facts.runtime
-        assert isinstance(kenosis_rewrite.rules(name), kenosis_rewrite.placement.pipeline.RewriteRuleSet)
+        assert isinstance(kenosis_rewrite.rules(name), RewriteRuleSet)
     with pytest.raises(kenosis_rewrite.UnsupportedTargetError):
         targets.get_target("tpu")
 

@@ -16,10 +16,10 @@ import pytest
 from onnxruntime.quantization import quantize_dynamic
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.zoo import text as zoo_text
+from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.zoo import PackageUnavailableError
+from kenosis_rewrite.zoo import text as zoo_text
 
 pytestmark = pytest.mark.real_model
 NAME = "minilm_l3_paraphrase"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -10,10 +11,9 @@ import subprocess
 import numpy as np
 import onnxruntime as ort
 import pytest
+from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
 
 from kenosis_rewrite import zoo
-
-from conftest import _fetch_or_skip  # noqa: E402 - shared real-model helpers
 from kenosis_rewrite.errors import ZooError
 
 SMALL_MODEL = "mtcnn_onet"
@@ -52,7 +52,7 @@ def test_registry_entry_is_consistent(model: zoo.ZooModel):
 
 
 def test_registry_is_immutable():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         zoo.MODELS[0].sha256 = "0" * 64  # frozen dataclass
     assert isinstance(zoo.MODELS, tuple) and isinstance(zoo.PHOTOS, tuple)
 

@@ -37,11 +37,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.accuracy.layer_matching import float_counterpart, matched_layers, same_weights
+from kenosis_rewrite.core import fidelity, ort_sessions
+from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
 
 RULE_NAME = "bias-correction"
 _CORRECTED_OPS = ("Conv", "Gemm")
@@ -89,7 +88,8 @@ def _layer(node: ir.Node, float_readers: Mapping[str, list[onnx.NodeProto]],
     quantized_input = concat_source is not None or (qdq_params.is_quantize(quantize) and qdq_params.quant_params(quantize) is not None)
     if not quantized_input or qdq_params.quant_params(input_dq) is None:
         return "input is not Q -> DQ with constant parameters"
-    if not qdq_params.is_dequantize(weight_dq) or qdq_params.const_array(weight_dq.inputs[0]) is None or qdq_params.quant_params(weight_dq) is None:
+    if (not qdq_params.is_dequantize(weight_dq) or qdq_params.const_array(weight_dq.inputs[0]) is None
+            or qdq_params.quant_params(weight_dq) is None):
         return "weights are not DequantizeLinear of a constant"
     float_bias = bias_dq is None and bias_value.const_value is not None and bias_value.const_value.dtype == ir.DataType.FLOAT
     if float_bias:
@@ -545,5 +545,6 @@ def correct_biases(
         if report is not None:
             worst = float(np.max(np.abs(shift)))
             report.changed(RULE_NAME, _where(layer.node), f"mean output shift up to {worst:.3g} moved into the "
-                           f"{'float' if layer.bias_scale is None else 'int32'} bias ({int(np.count_nonzero(steps))} of {steps.size} channels)", exact=False)
+                           f"{'float' if layer.bias_scale is None else 'int32'} bias "
+                           f"({int(np.count_nonzero(steps))} of {steps.size} channels)", exact=False)
     return len(layers)

@@ -27,12 +27,11 @@ from collections.abc import Collection
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
-from kenosis_rewrite.graph.pass_base import remove_unused_nodes
-from kenosis_rewrite.graph.dequantize import IMPLIED, remove_qdq_pair
-from kenosis_rewrite.graph.value_origins import Origin, value_origins
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.graph.dequantize import IMPLIED, remove_qdq_pair
+from kenosis_rewrite.graph.pass_base import remove_unused_nodes
+from kenosis_rewrite.graph.value_origins import Origin, value_origins
 
 OUTPUT_RULE = "protect-model-outputs"
 METADATA_RULE = "protect-metadata-inputs"

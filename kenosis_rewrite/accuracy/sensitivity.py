@@ -26,15 +26,13 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.core import model_io
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.accuracy.layer_matching import first_input_readers, float_counterpart
-from kenosis_rewrite.errors import KenosisError
-from kenosis_rewrite.graph.pass_base import remove_unused_nodes
-from kenosis_rewrite.graph.dequantize import dequantize_constants, remove_qdq_pair
+from kenosis_rewrite.core import fidelity, model_io, ort_sessions
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.graph.dequantize import dequantize_constants, remove_qdq_pair
+from kenosis_rewrite.graph.pass_base import remove_unused_nodes
 
 RULE_NAME = "keep-fp32-sensitive-layer"
 
@@ -88,7 +86,8 @@ def _run_all(proto: onnx.ModelProto, names: list[str], feeds) -> dict[str, list[
     return results
 
 
-def analyze(float_model: model_io.ModelLike, quantized: model_io.ModelLike, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[LayerSensitivity]:
+def analyze(float_model: model_io.ModelLike, quantized: model_io.ModelLike,
+            feeds: Sequence[Mapping[str, np.ndarray]]) -> list[LayerSensitivity]:
     """Sensitivity of every heavy op of ``quantized`` (see the module docstring).
 
     Each layer is compared with its FP32 counterpart (the same op reading the same FP32 tensor), not
@@ -253,5 +252,5 @@ def select_fp32_layers(
                         high = middle
                     else:
                         low = middle + 1
-            chosen = sorted(set(chosen) | {layer.name for layer in ranked[:low]}, key=[l.name for l in ranked].index)
+            chosen = sorted(set(chosen) | {layer.name for layer in ranked[:low]}, key=[entry.name for entry in ranked].index)
     return chosen, analysis, reasons, note

@@ -50,11 +50,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.accuracy.bias_correction import conv_geometry
 from kenosis_rewrite.accuracy.layer_matching import float_counterpart, matched_layers, same_weights
+from kenosis_rewrite.core import ort_sessions
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
 
 RULE_NAME = "weight-rounding"
 _OPS = ("Conv", "Gemm", "MatMul")

@@ -35,9 +35,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite.core import model_io
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.core import interleaved_timing
 from kenosis_rewrite.benchmark.pages import (  # re-exported: the results were defined here
     FP32,
     UNSTEADY_DRIFT,
@@ -46,9 +43,10 @@ from kenosis_rewrite.benchmark.pages import (  # re-exported: the results were d
     ThroughputStats,
     VariantResult,
 )
-from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError, one_line
+from kenosis_rewrite.core import interleaved_timing, model_io, ort_sessions
 from kenosis_rewrite.core.fidelity import Fidelity, random_feeds
 from kenosis_rewrite.core.fidelity import output_fidelity as fidelity
+from kenosis_rewrite.errors import KenosisError, NotAnOnnxModelError, RuntimeMeasurementError, one_line
 from kenosis_rewrite.zoo.task_metrics import TaskMetric
 
 __all__ = [

@@ -170,7 +170,8 @@ class BenchResult:
     def _setup_line(self) -> str:
         env = ", ".join(f"{k} {v}" for k, v in self.environment.items())
         task = f"Task: {self.task}. " if self.task else ""
-        return (f"{self.threads} thread(s), {self.warmup} warm-up + at least {self.runs} interleaved runs per variant (3 s of runs for fast models); "
+        return (f"{self.threads} thread(s), {self.warmup} warm-up + at least {self.runs} interleaved runs per variant "
+                "(3 s of runs for fast models); "
                 f"fidelity vs FP32 on {self.feeds}. {task}{env}")
 
     def stability_note(self) -> str:

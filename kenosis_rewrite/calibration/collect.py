@@ -26,11 +26,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite.core import model_io
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.calibration.histogram import METHODS, PercentileTails, StreamingHistogram, range_from_histogram
-from kenosis_rewrite.errors import CalibrationError, KenosisError
+from kenosis_rewrite.core import fidelity, model_io, ort_sessions
+from kenosis_rewrite.errors import CalibrationError
 
 __all__ = [
     "CalibrationError",
@@ -88,7 +86,7 @@ class TensorRanges(Mapping):
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "TensorRanges":
+    def from_json(cls, data: Mapping[str, Any]) -> TensorRanges:
         """Inverse of :meth:`to_json`; raises CalibrationError on anything else."""
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
             raise CalibrationError(f"not a kenosis calibration file (expected format {_FORMAT!r})")
@@ -106,7 +104,7 @@ class TensorRanges(Mapping):
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "TensorRanges":
+    def load(cls, path: str | os.PathLike) -> TensorRanges:
         """Read ranges written by :meth:`save`."""
         try:
             data = json.loads(Path(path).read_text())

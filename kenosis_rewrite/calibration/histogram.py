@@ -367,7 +367,7 @@ def _entropy_range(counts: np.ndarray, edges: np.ndarray, levels: int) -> tuple[
         if hi > 0:
             hi = _best(highs, lambda h: _kl_divergence(counts, centers, lo, h, levels), hi)
         if lo < 0:
-            lo = _best(lows, lambda l: _kl_divergence(counts, centers, l, hi, levels), lo)
+            lo = _best(lows, lambda low: _kl_divergence(counts, centers, low, hi, levels), lo)
     return lo, hi
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
-from kenosis_rewrite.core import model_io
 from kenosis_rewrite.calibration.collect import CalibrationError
 from kenosis_rewrite.calibration.inputs import InputSpec, infer_inputs, iter_synthetic_feeds
+from kenosis_rewrite.core import model_io
 
 __all__ = ["StreamingReader", "calibration_reader", "image_feeds", "IMAGE_SUFFIXES"]
 

@@ -48,9 +48,8 @@ step 5 measures on the caller's inputs.
 
 from __future__ import annotations
 
-import warnings
-
 import collections
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np

@@ -30,10 +30,9 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Callable
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["BATCH_COMMANDS", "is_batch_input", "list_models", "batch_main"]
 

@@ -25,8 +25,8 @@ import sys
 
 import onnx
 
-from kenosis_rewrite.core.model_io import save
 from kenosis_rewrite.cli.batch import BATCH_COMMANDS, batch_main, is_batch_input
+from kenosis_rewrite.core.model_io import save
 from kenosis_rewrite.errors import KenosisError
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
@@ -109,10 +109,11 @@ def _quantize_weights(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from kenosis_rewrite.core import fidelity  # noqa: PLC0415
+    from kenosis_rewrite.core import (
+        fidelity,  # noqa: PLC0415
+        model_io,  # noqa: PLC0415
+    )
     from kenosis_rewrite.diagnosis import profiler
-
-    from kenosis_rewrite.core import model_io  # noqa: PLC0415
 
     model_io.refuse_over_2gb(args.model)  # profiling runs the whole model in memory
     model = onnx.load(args.model) if isinstance(args.model, str) else args.model

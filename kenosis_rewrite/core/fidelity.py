@@ -12,8 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kenosis_rewrite.core import model_io
-from kenosis_rewrite.core import ort_sessions
+from kenosis_rewrite.core import model_io, ort_sessions
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
 
 __all__ = ["random_feeds", "session", "concurrent_runs", "each_run", "run", "ReferenceRuns", "Background", "cosine",

@@ -15,8 +15,8 @@ from google.protobuf.message import DecodeError
 from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.errors import (
     AlreadyQuantizedError,
-    KenosisError,
     InvalidModelError,
+    KenosisError,
     ModelTooLargeError,
     NoQDQError,
     NotAnOnnxModelError,

@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import json
 
-
 GUARD_UNDO_REASON = "undone by the run-time guard"  # how a refusal says the guard took a rule's changes back
 
 
@@ -85,7 +84,8 @@ class FixReport:
         for refusal in self.refusals:
             lines.append(f"    - {refusal.where}: {refusal.reason}")
         for name, scores in (self.fidelity or {}).items():
-            lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, SQNR {scores['sqnr_db']:.1f} dB, max abs {scores['max_abs']:.4g}")
+            lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, SQNR {scores['sqnr_db']:.1f} dB, "
+                         f"max abs {scores['max_abs']:.4g}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 

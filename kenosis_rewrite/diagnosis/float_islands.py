@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.diagnosis.float_reasons import (
     ABSORBABLE_ACTIVATIONS,
     NO_INTEGER_KERNEL_ACTIVATIONS,
@@ -23,7 +22,7 @@ from kenosis_rewrite.diagnosis.float_reasons import (
 )
 from kenosis_rewrite.diagnosis.fusion_report import FloatIsland, HeavyOp
 from kenosis_rewrite.diagnosis.ort_graph import INTEGER_KERNELS, QDQ_OPS, TRIVIAL_OPS
-
+from kenosis_rewrite.graph import qdq_params
 
 # Quantized-output ops whose output stays an integer tensor.
 _INTEGER_OUTPUT_OPS = frozenset({"DynamicQuantizeLinear", "NhwcMaxPool"})
@@ -156,7 +155,7 @@ def _int8_boundary(graph: onnx.GraphProto, group: Sequence[int]) -> bool:
         node = graph.node[index] if index is not None else None
         if node is not None and node.op_type in QDQ_OPS and len(node.input) > 2 and node.input[2] in int8_zero_points:
             return True
-    for i, node in enumerate(graph.node):
+    for node in graph.node:
         if node.op_type == "QuantizeLinear" and node.input[0] in {o for m in members for o in graph.node[m].output}:
             if len(node.input) > 2 and node.input[2] in int8_zero_points:
                 return True

@@ -16,8 +16,8 @@ import onnx
 import onnx_ir as ir
 
 from kenosis_rewrite.core import model_io
-from kenosis_rewrite.errors import one_line
 from kenosis_rewrite.diagnosis.ort_graph import HEAVY_OPS, node_input, write_model
+from kenosis_rewrite.errors import one_line
 
 
 def with_shapes(model: ir.Model, directory: str, notes: list[str]) -> ir.Model:
@@ -88,8 +88,10 @@ def _unshaped_heavy_values(model: ir.Model) -> list[ir.Value]:
 
 def _measure_shapes(model: ir.Model, values: list[ir.Value], directory: str, notes: list[str]) -> None:
     """Set the shapes of ``values`` to those of one ORT run of ``model`` (graph as written, random inputs)."""
-    from kenosis_rewrite.core import ort_sessions  # noqa: PLC0415 - fidelity imports ORT; explain imports this
-    from kenosis_rewrite.core import fidelity
+    from kenosis_rewrite.core import (
+        fidelity,
+        ort_sessions,  # noqa: PLC0415 - fidelity imports ORT; explain imports this
+    )
 
     inputs = [v for v in model.graph.inputs if not v.is_initializer()]
     stub = onnx.ModelProto(graph=onnx.GraphProto(input=[ir.serde.serialize_value(v) for v in inputs]))

@@ -24,10 +24,9 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from kenosis_rewrite.core import model_io
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.errors import RuntimeMeasurementError
+from kenosis_rewrite.core import model_io, ort_sessions
 from kenosis_rewrite.diagnosis.ort_graph import FLOAT_HEAVY_OPS, INTEGER_KERNELS, match_optimized, write_model
+from kenosis_rewrite.errors import RuntimeMeasurementError
 
 __all__ = ["LayerTime", "ModelProfile", "profile"]
 
@@ -65,7 +64,7 @@ class ModelProfile:
 
     def summary(self, top: int = 15) -> str:
         lines = [f"kernel time {self.total_us / 1000:.3f} ms per run"]
-        for layer in sorted(self.layers.values(), key=lambda l: -l.total_us)[:top]:
+        for layer in sorted(self.layers.values(), key=lambda item: -item.total_us)[:top]:
             lines.append(
                 f"  {layer.name:40s} {layer.kernel or '-':22s} {layer.kernel_us:9.1f} us"
                 f" + {layer.overhead_us:8.1f} us Q/DQ and float islands"

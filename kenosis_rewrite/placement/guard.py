@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-
 from onnx_ir.passes import common as common_passes
 
 from kenosis_rewrite.core import fidelity
@@ -115,7 +114,8 @@ class Guard:
             failure = self._run_input()
             if failure is None:
                 self.unavailable = ""
-                self.input_cosines = _per_output_cosines(self.reference, self.input_optimized if self.input_optimized is not None else self.input_plain)
+                runs = self.input_optimized if self.input_optimized is not None else self.input_plain
+                self.input_cosines = _per_output_cosines(self.reference, runs)
                 return
             if not self.unavailable:  # the first failure says most (the default sizes)
                 self.unavailable = f"the run-time guard could not run the input model ({failure})"

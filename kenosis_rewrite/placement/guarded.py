@@ -90,7 +90,7 @@ def _guarded_fix(
     raise AssertionError("unreachable")
 
 
-MAX_SITE_TRIALS = 16  # fix() runs the per-site search may spend, each held to the guard
+MAX_SITE_TRIALS = 48  # fix() runs the per-site search may spend, each held to the guard
 
 
 def _sites_of(report: FixReport, rule: str) -> list:

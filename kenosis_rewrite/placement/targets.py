@@ -32,22 +32,29 @@ from collections.abc import Callable
 
 from onnxscript.rewriter import RewriteRule
 
+from kenosis_rewrite.canonicalization.rules.residual_sum import residual_sum_rules
+from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import UnsupportedTargetError
+from kenosis_rewrite.graph.dequantize import DequantizeBiasPass
 from kenosis_rewrite.placement.passes.activation_hoist import ActivationBeforeDataMovementPass
+from kenosis_rewrite.placement.passes.activation_scale_folding import FoldPerChannelActivationScalesPass
 from kenosis_rewrite.placement.passes.activation_u8 import ActivationInt8ToUint8Pass
 from kenosis_rewrite.placement.passes.bias_rescale import BiasRescalePass
+from kenosis_rewrite.placement.passes.concat_on_codes import ConcatOnCodesPass
 from kenosis_rewrite.placement.passes.constant_quantize import FoldConstantQuantizePass
 from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
-from kenosis_rewrite.graph.dequantize import DequantizeBiasPass
-from kenosis_rewrite.placement.passes.activation_scale_folding import FoldPerChannelActivationScalesPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
-from kenosis_rewrite.placement.passes.concat_on_codes import ConcatOnCodesPass
-from kenosis_rewrite.placement.passes.qdq_propagation import DequantizeAfterPadPass, DequantizeAfterSplitPass, DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
+from kenosis_rewrite.placement.passes.qdq_propagation import (
+    DequantizeAfterPadPass,
+    DequantizeAfterSplitPass,
+    DequantizeForwardPass,
+    QuantizeBackwardPass,
+    RedundantQDQPass,
+)
 from kenosis_rewrite.placement.passes.qparam_propagation import PassThroughQParamsPass
 from kenosis_rewrite.placement.passes.requantize_after_movement import RequantizeAfterDataMovementPass
 from kenosis_rewrite.placement.passes.shape_arithmetic import FloatShapeArithmeticPass
 from kenosis_rewrite.placement.passes.symmetric_int8 import SymmetricActivationsPass
-from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.placement.rules.activation_fusion import NPU_FUSIBLE, TENSORRT_FUSIBLE, activation_fusion_rules
 from kenosis_rewrite.placement.rules.activation_islands import (
     ClipZeroPointToQmin,
@@ -56,12 +63,11 @@ from kenosis_rewrite.placement.rules.activation_islands import (
     ReluZeroPointToQmin,
 )
 from kenosis_rewrite.placement.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldBatchNormIntoConvThroughQDQ
+from kenosis_rewrite.placement.rules.conv_affine_folding import conv_affine_rules
 from kenosis_rewrite.placement.rules.gather_dequantize import GatherBeforeDequantize
+from kenosis_rewrite.placement.rules.integer_matmul_bias import integer_matmul_bias_rules
 from kenosis_rewrite.placement.rules.matmul_nbits import matmul_nbits_rules
 from kenosis_rewrite.placement.rules.prelu import PReluToLeakyRelu, PReluToReluMin
-from kenosis_rewrite.placement.rules.conv_affine_folding import conv_affine_rules
-from kenosis_rewrite.placement.rules.integer_matmul_bias import integer_matmul_bias_rules
-from kenosis_rewrite.canonicalization.rules.residual_sum import residual_sum_rules
 from kenosis_rewrite.placement.rules.shape_of_dequantized import shape_of_codes_rules
 from kenosis_rewrite.placement.rules.sigmoid_gate import QuantizeSigmoidGate
 from kenosis_rewrite.placement.rules.softmax_float_input import softmax_float_input_rules
@@ -138,7 +144,11 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)],
+        pre_passes=lambda report: [
+            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+            ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)
+        ],
         # the integer MatMuls' bias Adds fused into MatMulIntegerToFloat (rules.integer_matmul_bias) before
         # residual_sum sees them; SkipLayerNormalization measured 1.3-8x slower than Sum +
         # LayerNormalization on x86 (rules.residual_sum), QLinearSoftmax 1.2-6x slower than
@@ -156,7 +166,11 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="cited: QDQIsInt8Allowed() under MLAS_TARGET_ARM_ANY (onnxruntime qdq_selector_action_transformer.h)",
         ),
-        pre_passes=lambda report: [ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), DequantizeAfterSplitPass(report)],
+        pre_passes=lambda report: [
+            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+            DequantizeAfterSplitPass(report)
+        ],
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -170,7 +184,8 @@ TARGETS: dict[str, Target] = {
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
         pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
             SymmetricActivationsPass(report, TENSORRT_FUSIBLE),
         ],
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
@@ -189,7 +204,9 @@ TARGETS: dict[str, Target] = {
             basis="research: positive homogeneity f(a x) = a f(x), a > 0; Quark's DPU placement Conv -> Relu -> Q -> DQ",
         ),
         pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report), SymmetricActivationsPass(report, NPU_FUSIBLE),
+            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+            SymmetricActivationsPass(report, NPU_FUSIBLE),
         ],
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=_ort_post,

@@ -23,12 +23,12 @@ from kenosis_rewrite.accuracy.weight_rounding import FactorsInBackground, round_
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.placement.fix_pass import CleanupPass, FixPass, apply_rules
 from kenosis_rewrite.placement.passes.concat_on_codes import RULE_NAME as CONCAT_ON_CODES
 from kenosis_rewrite.placement.passes.dynamic_activations import DynamicActivationsPass
 from kenosis_rewrite.placement.passes.float_readers import FloatReadersReadFloatPass
 from kenosis_rewrite.placement.passes.output_quantizers import RULE_NAME as OUTPUT_QUANTIZERS
 from kenosis_rewrite.placement.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
-from kenosis_rewrite.placement.fix_pass import CleanupPass, FixPass, apply_rules
 from kenosis_rewrite.placement.pipeline import _latency_placement
 from kenosis_rewrite.placement.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
 from kenosis_rewrite.quantization.calibration_stage import Calibrated

@@ -58,13 +58,13 @@ from kenosis_rewrite.testing.fuzz_models import N_CALIBRATION, N_FEEDS, random_f
 from kenosis_rewrite.testing.fuzz_properties import (
     CATEGORIES,
     CATEGORY_TITLES,
+    DYNAMIC_BATCH_SEEDS,
     FIDELITY_TOLERANCE,
     SOFTMAX_HEAD_SEEDS,
-    DYNAMIC_BATCH_SEEDS,
     TRANSFORMER_SEEDS,
+    WITHIN_JITTER,
     CaseResult,
     Failure,
-    WITHIN_JITTER,
     TargetResult,
     _model_and_config,
     check_fix_case,
@@ -73,7 +73,8 @@ from kenosis_rewrite.testing.fuzz_properties import (
 from kenosis_rewrite.testing.fuzz_running import first_line, short_traceback
 
 __all__ = [
-    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "SOFTMAX_HEAD_SEEDS", "DYNAMIC_BATCH_SEEDS", "TRANSFORMER_SEEDS", "N_CALIBRATION", "N_FEEDS", "CaseResult", "Failure", "TargetResult",
+    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "SOFTMAX_HEAD_SEEDS", "DYNAMIC_BATCH_SEEDS", "TRANSFORMER_SEEDS",
+    "N_CALIBRATION", "N_FEEDS", "CaseResult", "Failure", "TargetResult",
     "random_float_model", "random_quant_config", "plain_quant_config", "quantize_with_config",
     "check_fix_case", "check_quantize_case", "run_cases", "summarize", "format_summary", "main",
 ]
@@ -114,7 +115,8 @@ def _run_one(job: tuple[str, int, int, bool]) -> CaseResult:
         case.fail("timeout", "quantize()" if kind == "quantize" else None, f"the case ran longer than {limit} s")
     except Exception as error:  # noqa: BLE001 - a generator or harness bug must not stop the run
         case = CaseResult(seed=seed, kind=kind, config=_config_or_none(seed, kind))
-        case.fail("harness", "quantize()" if kind == "quantize" else None, f"{type(error).__name__}: {first_line(error)}\n{short_traceback(error)}")
+        case.fail("harness", "quantize()" if kind == "quantize" else None,
+                  f"{type(error).__name__}: {first_line(error)}\n{short_traceback(error)}")
     case.seconds = time.perf_counter() - start
     return case
 
@@ -152,7 +154,8 @@ def run_cases(
         if progress_every and (done % progress_every == 0 or done == len(work)):
             failed = sum(r.failed for r in results)
             skipped = sum(r.skipped for r in results)
-            print(f"  {done}/{len(work)} cases, {failed} with failures, {skipped} skipped, {time.perf_counter() - start:.1f} s", file=stream, flush=True)
+            print(f"  {done}/{len(work)} cases, {failed} with failures, {skipped} skipped, {time.perf_counter() - start:.1f} s",
+                  file=stream, flush=True)
 
     if jobs <= 1:
         _worker_init()
@@ -315,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         return _replay(args)
     start = time.perf_counter()
     guard = "off" if args.no_guard else "on"
-    print(f"fuzzing seeds {args.seed_start}..{args.seed_start + args.cases - 1} ({args.cases} fix cases, {args.quantize_cases} quantize cases, {args.jobs} jobs, fix() guard {guard})")
+    print(f"fuzzing seeds {args.seed_start}..{args.seed_start + args.cases - 1} ({args.cases} fix cases, "
+          f"{args.quantize_cases} quantize cases, {args.jobs} jobs, fix() guard {guard})")
     results = run_cases(args.seed_start, args.cases, args.quantize_cases, args.jobs, case_timeout=args.case_timeout,
                         verify=not args.no_guard)
     summary = summarize(results, args.examples)

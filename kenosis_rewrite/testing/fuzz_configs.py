@@ -16,10 +16,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from kenosis_rewrite.core.ort_quantize import quiet_logger
 from kenosis_rewrite.testing.fuzz_models import QUANTIZABLE_WEIGHTED
 from kenosis_rewrite.testing.fuzz_running import first_line, run_model
-from kenosis_rewrite.core.ort_quantize import quiet_logger
-
 
 _EXTRA_OPTION_KEYS = (
     "ActivationSymmetric", "WeightSymmetric", "AddQDQPairToWeight", "DedicatedQDQPair",
@@ -111,8 +110,9 @@ def silenced():
 def quantize_or_skip(fp32: onnx.ModelProto, config: dict, feeds) -> tuple[onnx.ModelProto | None, str | None]:
     """(QDQ model, None), or (None, why it was skipped): quantize_static raised, or ORT cannot load
     its output or run it on the first feed (at either optimization level)."""
-    from kenosis_rewrite.core.ort_quantize import FeedsReader  # noqa: PLC0415
     from onnxruntime.quantization import quantize_static  # noqa: PLC0415
+
+    from kenosis_rewrite.core.ort_quantize import FeedsReader  # noqa: PLC0415
 
     try:
         with tempfile.TemporaryDirectory() as tmp, silenced():

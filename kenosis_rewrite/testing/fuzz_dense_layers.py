@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from kenosis_rewrite.testing.fuzz_builder import Builder, Tensor, activation, batchnorm, gelu, maybe_activation, relu_or_clip
-
 
 _MAX_FEATURES = 32
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-
 
 BATCH = "batch"
 

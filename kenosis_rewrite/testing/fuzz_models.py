@@ -13,17 +13,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from kenosis_rewrite.testing.fuzz_builder import Builder, Tensor, activation, batchnorm, maybe_activation, relu_or_clip
+from kenosis_rewrite.testing.fuzz_dense_layers import build_transformer, gemm, matmul_block, mlp_layer
+from kenosis_rewrite.testing.fuzz_dynamic_export import as_dynamic_export
 
 N_CALIBRATION = 4
 N_FEEDS = 6
 # Op types quantize_static quantizes as weighted layers (a config's op_types_to_quantize draws from them).
 QUANTIZABLE_WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-
-
-from kenosis_rewrite.testing.fuzz_builder import Builder, Tensor, activation, batchnorm, maybe_activation, relu_or_clip
-from kenosis_rewrite.testing.fuzz_dense_layers import build_transformer, gemm, matmul_block, mlp_layer
-from kenosis_rewrite.testing.fuzz_dynamic_export import as_dynamic_export
-
 
 _MAX_CHANNELS = 16
 _MAX_SPATIAL = 24
@@ -286,7 +283,8 @@ def random_float_model(rng: np.random.Generator, softmax_head: bool = False, dyn
                        transformer: bool = False) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
     """A small random valid FP32 model and 6 feeds (first 4: calibration, last 2: evaluation).
 
-    Opset 13..21; one model in eight has about half its constants as Constant nodes. CNN bodies (Conv/ConvTranspose/BN/activations/residuals/pools/Resize/shape ops)
+    Opset 13..21; one model in eight has about half its constants as Constant nodes. CNN bodies
+    (Conv/ConvTranspose/BN/activations/residuals/pools/Resize/shape ops)
     or MLP bodies (Gemm/MatMul/Add/activations/reshapes); one or two graph outputs with static shapes;
     ``softmax_head``: the first output is a Softmax head (:func:`_with_softmax_head`).
     ``dynamic_batch``: the batch dim is symbolic and the shapes are computed in the graph

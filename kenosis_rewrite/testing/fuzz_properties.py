@@ -15,6 +15,14 @@ import time
 import numpy as np
 import onnx
 
+from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.placement.guard import cosine_floor
+from kenosis_rewrite.placement.pipeline import (
+    fix,
+    interface,  # what fix() promises to keep, as fix() checks it
+)
+from kenosis_rewrite.placement.targets import TARGETS
+from kenosis_rewrite.quantization.pipeline import quantize
 from kenosis_rewrite.testing.fuzz_configs import plain_quant_config, quantize_or_skip, random_quant_config, silenced
 from kenosis_rewrite.testing.fuzz_models import N_CALIBRATION, random_float_model
 from kenosis_rewrite.testing.fuzz_running import (
@@ -28,12 +36,6 @@ from kenosis_rewrite.testing.fuzz_running import (
     short_traceback,
     structural_diff,
 )
-from kenosis_rewrite.placement.guard import cosine_floor
-from kenosis_rewrite.placement.pipeline import interface  # what fix() promises to keep, as fix() checks it
-from kenosis_rewrite.errors import KenosisError
-from kenosis_rewrite.placement.pipeline import fix
-from kenosis_rewrite.placement.targets import TARGETS
-from kenosis_rewrite.quantization.pipeline import quantize
 
 FIDELITY_TOLERANCE = 0.01
 # a fidelity drop that the input's own noise makes as well (not a failure: counted apart)
@@ -85,7 +87,8 @@ class Failure:
     def describe(self) -> str:
         value = "" if self.value is None else f" [{self.value:.4g}]"
         rules = f" rules={','.join(self.rules)}" if self.rules else ""
-        return f"seed={self.seed} target={self.target}{value}{rules}: {self.message}\n    config={json.dumps(self.config)}\n    replay: {self.replay}"
+        return (f"seed={self.seed} target={self.target}{value}{rules}: {self.message}\n    config={json.dumps(self.config)}\n"
+                f"    replay: {self.replay}")
 
 
 @dataclasses.dataclass
@@ -173,7 +176,7 @@ def _batch_of_two(model_bytes: bytes, seed: int, eval_feeds: list[dict]) -> tupl
     return feeds, [tuple(np.shape(o)) for o in outputs[0]]
 
 
-def _check_batch(case: CaseResult, ref: "_Reference", model_bytes: bytes, target: str, rules) -> None:
+def _check_batch(case: CaseResult, ref: _Reference, model_bytes: bytes, target: str, rules) -> None:
     """Where the input model runs at batch 2, the output runs there too, with the same output shapes."""
     if ref.batch_feeds is None:
         return
@@ -204,7 +207,8 @@ def _check_outputs(case: CaseResult, ref: _Reference, fixed_bytes: bytes, target
         shapes = [tuple(np.shape(o)) for o in outputs[0]]
         expected = [tuple(np.shape(o)) for o in ref.qdq_outputs[0]]
         if names != ref.names or shapes != expected:
-            case.fail("shape_change", target, f"{level}: outputs {list(zip(names, shapes))}, input QDQ {list(zip(ref.names, expected))}", rules)
+            case.fail("shape_change", target,
+                      f"{level}: outputs {list(zip(names, shapes))}, input QDQ {list(zip(ref.names, expected))}", rules)
             continue
         results[level] = outputs
     return results
@@ -217,7 +221,8 @@ def _check_numbers(case: CaseResult, ref: _Reference, result: TargetResult, outp
     result.max_abs_diff = max_abs_diff(ref.qdq_outputs, outputs)
     if result.all_exact and not all_equal(ref.qdq_outputs, outputs):
         exact_rules = sorted({c.rule for c in report.changes})
-        case.fail("exactness_break", result.target, f"every change says exact=True but max abs diff {result.max_abs_diff:.4g}", exact_rules, result.max_abs_diff)
+        case.fail("exactness_break", result.target, f"every change says exact=True but max abs diff {result.max_abs_diff:.4g}",
+                  exact_rules, result.max_abs_diff)
     result.cos_fixed = min_cosine(ref.fp32_outputs, outputs)
     result.drop = ref.cos_qdq - result.cos_fixed
     if math.isnan(ref.cos_qdq):

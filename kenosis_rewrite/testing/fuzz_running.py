@@ -7,17 +7,14 @@ import collections
 import tempfile
 import traceback
 
-
 import numpy as np
-import onnxruntime as ort
 import onnx
-from onnx import numpy_helper
 import onnx_ir as ir
+import onnxruntime as ort
+from onnx import numpy_helper
 
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import fidelity, ort_sessions
 from kenosis_rewrite.diagnosis import ort_graph
-
 
 _LEVELS = {"enable_all": "all", "disable_all": "none"}
 

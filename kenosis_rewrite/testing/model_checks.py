@@ -11,8 +11,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import fidelity, ort_sessions
 from kenosis_rewrite.core.report import FixReport
 
 

@@ -258,7 +258,8 @@ def _unpadded_conv(b: ToyBuilder, x: str, c_in: int, c_out: int, k: int, stride:
 def _decomposed_bn(b: ToyBuilder, h: str, shape: tuple[int, ...]) -> str:
     """BatchNorm as exporters of frozen BN write it: Sub(mean) -> Mul(gamma/std) -> Add(beta)."""
     h = b.node("Sub", [h, b.const(b.rng.normal(0, 0.5, shape).astype(np.float32), "mean")])
-    h = b.node("Mul", [h, b.const((b.rng.uniform(0.5, 1.5, shape) * b.rng.choice([-1, 1], shape, p=[0.1, 0.9])).astype(np.float32), "gamma")])
+    h = b.node("Mul", [h, b.const((b.rng.uniform(0.5, 1.5, shape) * b.rng.choice([-1, 1], shape, p=[0.1, 0.9])).astype(np.float32),
+                                  "gamma")])
     return b.node("Add", [h, b.const(b.rng.normal(0, 0.3, shape).astype(np.float32), "beta")])
 
 

@@ -17,8 +17,8 @@ import os
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.errors import KenosisError
+from kenosis_rewrite.graph import qdq_params
 
 __all__ = ["BlockQuantized", "quantize_blockwise", "dequantize_blockwise", "pack_matmul_nbits"]
 

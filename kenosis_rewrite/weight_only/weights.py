@@ -58,9 +58,9 @@ import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
 from kenosis_rewrite.core import model_io
+from kenosis_rewrite.errors import KenosisError, ModelTooLargeError, RewriteError
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.weight_only.blockwise import BlockQuantized, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
-from kenosis_rewrite.errors import KenosisError, ModelTooLargeError, RewriteError
 
 __all__ = [
     "BlockQuantized", "quantize_weights", "quantize_blockwise", "dequantize_blockwise",

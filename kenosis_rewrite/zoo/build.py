@@ -138,7 +138,7 @@ class _GraphBuilder:
         graph = helper.make_graph(
             self.nodes, graph_name, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])], self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="kenosis_rewrite.zoo.build")
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="kenosis_rewrite.zoo_build")
         model.ir_version = 8
         onnx.checker.check_model(model, full_check=True)
         return model

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 ImageNet_MEAN = (0.485, 0.456, 0.406)
 ImageNet_STD = (0.229, 0.224, 0.225)
 

@@ -47,8 +47,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
+from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.pass_base import ReportingPass
 from kenosis_rewrite.placement.passes.qdq_propagation import pad_axis_refusal, pad_code
 
@@ -236,7 +235,8 @@ def _replace_dequantize(graph: ir.Graph, node: ir.Node, index: int, factors: np.
     base = dq.outputs[0].name or "weight"
     scale_name, zp_name = names.fresh(f"{base}_folded_scale"), names.fresh(f"{base}_folded_zero_point")
     scale_value = qdq_params.add_initializer(graph, ir.tensor(scale, name=scale_name), scale_name)
-    zp_value = qdq_params.add_initializer(graph, ir.tensor(zero_point.astype(params.dtype.numpy()), dtype=params.dtype, name=zp_name), zp_name)
+    zp_value = qdq_params.add_initializer(
+        graph, ir.tensor(zero_point.astype(params.dtype.numpy()), dtype=params.dtype, name=zp_name), zp_name)
     new_dq = ir.node(
         qdq_params.DEQUANTIZE, [dq.inputs[0], scale_value, zp_value], attributes={"axis": 0},
         name=names.fresh(f"{dq.name or 'DequantizeLinear'}_folded"), outputs=[ir.Value(name=names.fresh(f"{base}_folded"))],

@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.pass_base import ReportingPass
-from kenosis_rewrite.core.report import FixReport
 
 RULE_NAME = "requantize-stale-bias"
 _BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
@@ -58,7 +58,8 @@ class BiasRescalePass(ReportingPass):
         if dq_x is None or dq_w is None or dq_b is None:
             return False
         p_x, p_w, p_b = (qdq_params.quant_params(n) for n in (dq_x, dq_w, dq_b))
-        if p_x is None or p_w is None or p_b is None or (p_b.dtype != ir.DataType.INT32 and p_b.dtype not in qdq_params.INTEGER_RANGES) or p_b.block_size:
+        if (p_x is None or p_w is None or p_b is None
+                or (p_b.dtype != ir.DataType.INT32 and p_b.dtype not in qdq_params.INTEGER_RANGES) or p_b.block_size):
             return False
         if not p_x.is_per_tensor:
             return False

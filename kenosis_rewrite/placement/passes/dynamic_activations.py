@@ -181,7 +181,8 @@ def _bias_second(product: ir.Value) -> None:
     for user, index in list(product.uses()):
         if user.op_type == "Add" and user.domain in qdq_params.DEFAULT_DOMAINS and index == 0:
             return
-        if user.op_type == "Add" and user.domain in qdq_params.DEFAULT_DOMAINS and index == 1 and qdq_params.const_array(user.inputs[0]) is not None:
+        if (user.op_type == "Add" and user.domain in qdq_params.DEFAULT_DOMAINS and index == 1
+                and qdq_params.const_array(user.inputs[0]) is not None):
             bias = user.inputs[0]
             user.replace_input_with(0, product)
             user.replace_input_with(1, bias)

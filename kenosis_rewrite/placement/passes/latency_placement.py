@@ -40,11 +40,11 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from kenosis_rewrite.core import interleaved_timing
+from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.diagnosis import profiler
 from kenosis_rewrite.errors import one_line
-from kenosis_rewrite.graph.pass_base import remove_unused_nodes
 from kenosis_rewrite.graph.dequantize import DequantizeAllPass, FloatRegionsPass
-from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph.pass_base import remove_unused_nodes
 
 RULE_NAME = "latency-placement"
 ALL_FLOAT = "*"
@@ -159,7 +159,8 @@ class _Search:
     def compare(self, current: bytes, candidate: bytes) -> tuple[float, float]:
         """(current ms, candidate ms), interleaved in this process."""
         self.trials += 1
-        sessions = {"current": interleaved_timing.session(current, self.threads), "candidate": interleaved_timing.session(candidate, self.threads)}
+        sessions = {"current": interleaved_timing.session(current, self.threads),
+                    "candidate": interleaved_timing.session(candidate, self.threads)}
         medians = interleaved_timing.interleaved_medians(sessions, self.feed, warmup=10, seconds=0.3, runs=20)
         return medians["current"] * 1e3, medians["candidate"] * 1e3
 
@@ -303,7 +304,8 @@ class LatencyPlacementPass(ir.passes.InPlacePass):
         if self.report is not None:
             how = "cached decision" if result.cached else f"{result.trials} measured trials in {result.seconds:.1f} s"
             if result.float_layers == [ALL_FLOAT]:
-                self.report.changed(RULE_NAME, "whole model", f"float is fastest here: {result.base_ms:.3f} -> {result.best_ms:.3f} ms", exact=True)
+                self.report.changed(RULE_NAME, "whole model", f"float is fastest here: {result.base_ms:.3f} -> {result.best_ms:.3f} ms",
+                                    exact=True)
             if result.float_layers == [ALL_FLOAT]:
                 kept = "whole model to float"
             elif result.float_layers:

@@ -27,15 +27,13 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
-from kenosis_rewrite.core import model_io
-from kenosis_rewrite.core import ort_sessions
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.canonicalization.pipeline import negative_dims_as_symbolic, pin_input_shapes
+from kenosis_rewrite.core import fidelity, model_io, ort_sessions
+from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import KenosisError, RuntimeMeasurementError
+from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.pass_base import ReportingPass
 from kenosis_rewrite.graph.value_origins import INDEX_GENERATORS, SHAPE_READERS
-from kenosis_rewrite.core.report import FixReport
 
 # a folded constant larger than this stays computed at run time (model size)
 MAX_FOLDED_ELEMENTS = 1 << 20

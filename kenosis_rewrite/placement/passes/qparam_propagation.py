@@ -33,8 +33,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.graph import value_range
+from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.pass_base import ReportingPass
 
 RULE_NAME = "align-pass-through-qparams"

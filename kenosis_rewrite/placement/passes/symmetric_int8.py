@@ -128,8 +128,8 @@ class SymmetricActivationsPass(ReportingPass):
         self.changed(where, detail + (f"; {restored}" if restored else ""), exact=False)
         return True
 
-    def _restore_clamp(self, graph: ir.Graph, names: qdq_params.NameAllocator, quantize: ir.Node, params: qdq_params.QuantParams, scale: float,
-                       dequantizers: list[ir.Node]) -> str:
+    def _restore_clamp(self, graph: ir.Graph, names: qdq_params.NameAllocator, quantize: ir.Node, params: qdq_params.QuantParams,
+                       scale: float, dequantizers: list[ir.Node]) -> str:
         """Put back, in front of the Q, each clamp the old range applied that the new one no longer does.
 
         The old Q clamped reachable values at ``lo`` and ``hi``; the symmetric one clamps at

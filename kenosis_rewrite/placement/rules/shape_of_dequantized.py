@@ -22,8 +22,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
-from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.rule_base import ReportingRule
 
 __all__ = ["ShapeOfCodes", "SizeOfCodes", "shape_of_codes_rules", "RULE_NAME"]

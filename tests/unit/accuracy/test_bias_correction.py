@@ -9,17 +9,25 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.accuracy.bias_correction import (
-    MIN_TAPPED_OUTPUTS, RULE_NAME, SIGNIFICANCE_Z, _edge_reads, _layer, _mean_plan, _Means, _probe, _shifts, _tap_means, correct_biases,
+    MIN_TAPPED_OUTPUTS,
+    RULE_NAME,
+    SIGNIFICANCE_Z,
+    _edge_reads,
+    _layer,
+    _mean_plan,
+    _Means,
+    _probe,
+    _shifts,
+    _tap_means,
+    correct_biases,
 )
 from kenosis_rewrite.accuracy.layer_matching import first_input_readers
-from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.testing import model_checks, toy_models
 
 CHANNELS = 8
 

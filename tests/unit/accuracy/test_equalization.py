@@ -11,13 +11,19 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.accuracy.equalization import (
-    HEADROOM, MAX_SCALE, MIN_VALUES, RULE_NAME, channel_scales, equalize, find_chains,
+    HEADROOM,
+    MAX_SCALE,
+    MIN_VALUES,
+    RULE_NAME,
+    channel_scales,
+    equalize,
+    find_chains,
 )
-from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.testing import model_checks
 
 CHANNELS = 8
 SIZE = 24  # 576 positions per feed: over MIN_VALUES with 4 feeds
@@ -127,8 +133,8 @@ def test_quantized_equalized_model_is_closer_to_fp32():
 
 
 def test_maxima_observed_from_other_runs_replace_its_own(monkeypatch):
-    from kenosis_rewrite.canonicalization import pipeline  # noqa: PLC0415
     from kenosis_rewrite.accuracy import equalization
+    from kenosis_rewrite.canonicalization import pipeline  # noqa: PLC0415
 
     model, feeds = _model(), _feeds(4, seed=1)
     own, own_count = equalize(model, feeds)
@@ -145,8 +151,8 @@ def test_maxima_observed_from_other_runs_replace_its_own(monkeypatch):
 
 
 def test_observed_maxima_are_discarded_when_prepare_keeps_the_original(monkeypatch):
-    from kenosis_rewrite.canonicalization import pipeline  # noqa: PLC0415
     from kenosis_rewrite.accuracy import equalization
+    from kenosis_rewrite.canonicalization import pipeline  # noqa: PLC0415
 
     model, feeds = _model(), _feeds(4, seed=1)
     monkeypatch.setattr(pipeline, "PREPARE_TOLERANCE", -1.0)  # no check passes: the original is kept

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import onnx
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.accuracy.protection import protected_nodes, unshare_protected_constants
+from kenosis_rewrite.testing import model_checks
 
 # a stride constant shared by the box offsets (data) and a grid computed from the feature map's width
 _SHARED_STRIDE = """

@@ -10,16 +10,21 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.accuracy import weight_rounding
 from kenosis_rewrite.accuracy.layer_matching import first_input_readers
-from kenosis_rewrite.quantization.pipeline import quantize
-from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.accuracy.weight_rounding import (
-    MAX_STEPS, RULE_NAME, _layer, _patches, round_weights, sequential_round,
+    MAX_STEPS,
+    RULE_NAME,
+    _layer,
+    _patches,
+    round_weights,
+    sequential_round,
 )
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.testing import model_checks
 
 SIZE = 12
 _PLAIN = {"weight_rounding": False, "equalization": False}  # round-to-nearest, the FP32 weights as given

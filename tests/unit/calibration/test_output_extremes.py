@@ -10,9 +10,9 @@ import onnx
 import onnxruntime as ort
 
 from kenosis_rewrite import calibration as calib
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.quantization.pipeline import quantize
 from kenosis_rewrite.calibration.output_extremes import mixed_output_concats, output_value_tensors
+from kenosis_rewrite.quantization.pipeline import quantize
+from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.testing.toy_models import ToyBuilder
 
 SIZE = [1, 3, 8, 8]

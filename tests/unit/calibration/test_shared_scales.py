@@ -6,12 +6,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from kenosis_rewrite import calibration as calib, quantize
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite import calibration as calib
+from kenosis_rewrite import quantize
 from kenosis_rewrite.calibration.collect import TensorRanges
 from kenosis_rewrite.calibration.shared_scales import shared_concat_ranges
-from kenosis_rewrite.testing.toy_models import C, IMAGE, ToyBuilder
+from kenosis_rewrite.testing import model_checks, toy_models
+from kenosis_rewrite.testing.toy_models import IMAGE, C, ToyBuilder
 
 
 def _c2f_like(seed: int = 0, right_gain: float = 1.0) -> onnx.ModelProto:

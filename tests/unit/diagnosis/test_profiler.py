@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import kenosis_rewrite
 from kenosis_rewrite.core import ort_quantize
 from kenosis_rewrite.diagnosis import profiler

@@ -6,12 +6,10 @@ import onnx
 import onnx_ir as ir
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.graph.dequantize import DequantizeAllPass, FloatRegionsPass
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph.dequantize import DequantizeAllPass, FloatRegionsPass
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _fixed(name, config="u8s8"):
@@ -75,8 +73,8 @@ def test_pairs_feeding_integer_kernels_stay():
 
 def _conv_hardsigmoid_qdq() -> onnx.ModelProto:
     """x -> Q/DQ -> Conv -> Q/DQ (zp 0: a Relu folded away) -> HardSigmoid -> Q/DQ (zp 0) -> y."""
-    from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
+    from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     weight = rng.integers(-127, 128, size=(4, 3, 3, 3), dtype=np.int8)
@@ -113,7 +111,9 @@ def test_clamps_come_back_only_where_a_negative_value_could_pass():
     assert clipped == {"x", "c"}
     feed = {"x": np.random.default_rng(1).uniform(-1, 4, size=(1, 3, 8, 8)).astype(np.float32)}
     # what the graphs compute (no host-dependent integer kernel): only the removed roundings differ
-    run = lambda m: model_checks.outputs(m, feed, optimized=False)[0]
+    def run(m):
+        return model_checks.outputs(m, feed, optimized=False)[0]
+
     np.testing.assert_allclose(run(out), run(qdq), atol=3 / 255)
 
 

@@ -6,10 +6,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from kenosis_rewrite.graph import qdq_params
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def test_small_constants_become_read_only_arrays_of_the_same_values():
@@ -34,5 +33,6 @@ def test_small_constants_become_read_only_arrays_of_the_same_values():
             assert type(value.const_value) is kind  # weights stay as they were read
     assert held >= 2 * sum(node.op_type == "QuantizeLinear" for node in model.graph)  # every scale and zero point
     for feed in feeds:  # the same model, run
-        for a, b in zip(model_checks.outputs(qdq, feed, optimized=False), model_checks.outputs(ir.serde.serialize_model(model), feed, optimized=False)):
+        for a, b in zip(model_checks.outputs(qdq, feed, optimized=False),
+                        model_checks.outputs(ir.serde.serialize_model(model), feed, optimized=False)):
             np.testing.assert_array_equal(a, b)

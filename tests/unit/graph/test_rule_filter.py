@@ -8,9 +8,9 @@ import pytest
 from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, RewriteRuleSet
 
 from kenosis_rewrite.canonicalization import pipeline
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.graph.rule_filter import op_filtered, producer_requirements, root_op_type
 from kenosis_rewrite.canonicalization.rules.transpose_sinking import transpose_sinking_rules
+from kenosis_rewrite.graph.rule_filter import op_filtered, producer_requirements, root_op_type
+from kenosis_rewrite.testing import toy_models
 
 
 def _ir(name: str) -> ir.Model:

@@ -7,12 +7,11 @@ import onnx
 import pytest
 
 from kenosis_rewrite import quantize
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.weight_only import weights
 from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.quantization.plan import attention_matmuls, choose_plan
+from kenosis_rewrite.testing import model_checks, toy_models
+from kenosis_rewrite.weight_only import weights
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,15 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.weight_only import weights
 from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.placement.rules.matmul_nbits import matmul_nbits_rules
+from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.weight_only import weights
 
 ELIGIBLE = 12  # 2 layers x (q, k, v, o, up, down); QK^T and PV multiply activations
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _toy(float16: bool = False) -> onnx.ModelProto:
     return weights.toy_transformer(hidden=256, layers=2, seq=8, float16=float16)
 

@@ -11,8 +11,8 @@ import types
 import numpy as np
 import pytest
 
-from kenosis_rewrite.zoo import build
 from kenosis_rewrite.errors import ZooError
+from kenosis_rewrite.zoo import build
 
 
 class _Storage:

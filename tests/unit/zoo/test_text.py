@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kenosis_rewrite.zoo import text as zoo_text
 from kenosis_rewrite.errors import ZooError
+from kenosis_rewrite.zoo import text as zoo_text
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "token", "##ization", "##s", "cafe", ",", "!", "un", "##aff", "##able"]
 

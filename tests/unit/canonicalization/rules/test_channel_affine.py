@@ -9,9 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.canonicalization.rules.channel_affine import channel_affine_rules
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.testing import model_checks
 
 C_IN, C_OUT, SIZE = 4, 6, 9
 

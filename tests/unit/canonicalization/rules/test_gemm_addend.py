@@ -7,9 +7,9 @@ import onnx
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.canonicalization.rules.gemm_addend import RULE_NAME, gemm_addend_rules
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.testing import model_checks
 
 GEMM = """
 <ir_version: 8, opset_import: ["" : 17]>

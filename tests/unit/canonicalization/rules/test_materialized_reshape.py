@@ -7,9 +7,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.canonicalization.rules.materialized_reshape import materialized_reshape_rules
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.testing import model_checks
 
 
 def _view(opset: int, declared: list, x_shape=("N", 4, 10, 4), rest=(4, 4, 10)) -> onnx.ModelProto:

@@ -7,10 +7,10 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from kenosis_rewrite.testing import model_checks
+from kenosis_rewrite.canonicalization.rules.residual_sum import MATMUL_BIAS_RULE_NAME, RULE_NAME, ResidualAddAsSum, residual_sum_rules
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.canonicalization.rules.residual_sum import MATMUL_BIAS_RULE_NAME, RULE_NAME, ResidualAddAsSum, residual_sum_rules
+from kenosis_rewrite.testing import model_checks
 
 # bias Add then residual Add then LayerNormalization: what ORT fuses into SkipLayerNormalization
 BLOCK = """
@@ -111,19 +111,21 @@ def test_integer_add_is_left_alone():
 
 
 # DQ -> MatMul (no Q after it) -> bias Add, static shapes: ORT's MatMulAddFusion would make it a float Gemm
-INTEGER_MATMUL = """
+_INTEGER_MATMUL_WEIGHTS = ", ".join(str(v) for v in np.random.default_rng(0).integers(-127, 128, 32 * 8))
+INTEGER_MATMUL = f"""
 <ir_version: 8, opset_import: ["" : 17]>
 g (float[1,16,32] x) => (float[1,16,8] y)
-<float sx = {0.05}, uint8 zx = {128}, int8[32,8] w = {%s}, float[8] sw = {0.01, 0.02, 0.01, 0.03, 0.01, 0.02, 0.02, 0.01},
- int8[8] zw = {0, 0, 0, 0, 0, 0, 0, 0}, float[8] bias = {0.1, -0.2, 0.3, 0.0, 0.5, -0.6, 0.7, 0.05}>
-{
+<float sx = {{0.05}}, uint8 zx = {{128}}, int8[32,8] w = {{{_INTEGER_MATMUL_WEIGHTS}}},
+ float[8] sw = {{0.01, 0.02, 0.01, 0.03, 0.01, 0.02, 0.02, 0.01}},
+ int8[8] zw = {{0, 0, 0, 0, 0, 0, 0, 0}}, float[8] bias = {{0.1, -0.2, 0.3, 0.0, 0.5, -0.6, 0.7, 0.05}}>
+{{
   qx = QuantizeLinear(x, sx, zx)
   dx = DequantizeLinear(qx, sx, zx)
   dw = DequantizeLinear(w, sw, zw)
   m = MatMul(dx, dw)
   y = Add(m, bias)
-}
-""" % ", ".join(str(v) for v in np.random.default_rng(0).integers(-127, 128, 32 * 8))
+}}
+"""
 
 
 def test_integer_matmul_bias_becomes_sum_and_the_matmul_stays_integer():

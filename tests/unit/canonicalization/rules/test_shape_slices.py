@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.canonicalization.rules.shape_slices import shape_slice_rules, static_dim_rules
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.testing import model_checks
 
 
 def _model(starts, ends, axes=None, steps=None, opset=17):
@@ -34,7 +34,8 @@ def _rewrite(model):
     return model_checks.apply_rules(model, shape_slice_rules())
 
 
-@pytest.mark.parametrize(("starts", "ends", "axes", "steps"), [(2, 4, None, None), (1, 9223372036854775807, 0, 1), (-2, 4, None, 1), (0, -1, 0, None)])
+@pytest.mark.parametrize(("starts", "ends", "axes", "steps"),
+                         [(2, 4, None, None), (1, 9223372036854775807, 0, 1), (-2, 4, None, 1), (0, -1, 0, None)])
 def test_slice_of_shape_becomes_bounded_shape_with_the_same_values(starts, ends, axes, steps):
     model = _model(starts, ends, axes, steps)
     out, count = _rewrite(model)

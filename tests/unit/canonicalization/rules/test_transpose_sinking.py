@@ -9,9 +9,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules.common import no_op_transpose_rule, transpose_transpose_rule
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.canonicalization.rules.transpose_sinking import transpose_sinking_rules
+from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.testing import model_checks
 
 NHWC = [1, 7, 5, 6]
 TO_NCHW, TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]

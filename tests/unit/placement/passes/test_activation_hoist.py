@@ -7,8 +7,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.passes.activation_hoist import RULE_NAME, ActivationBeforeDataMovementPass
+from kenosis_rewrite.testing import model_checks
 
 MODEL = """
 <ir_version: 10, opset_import: ["" : 21]>
@@ -44,7 +44,8 @@ def test_activation_moves_before_the_data_movement_exactly_and_ort_accepts_it(na
     order = [node.op_type for node in fixed.graph.node]
     assert order[2] in ("Relu", "Clip", "LeakyRelu") and order[3] in ("Reshape", "Flatten"), order
     feed = {"x": np.random.default_rng(0).standard_normal((1, 4, 3, 3)).astype(np.float32)}
-    np.testing.assert_array_equal(model_checks.outputs(proto, feed, optimized=False)[0], model_checks.outputs(fixed, feed, optimized=False)[0])
+    np.testing.assert_array_equal(model_checks.outputs(proto, feed, optimized=False)[0],
+                                  model_checks.outputs(fixed, feed, optimized=False)[0])
     model_checks.outputs(fixed, feed)  # ORT_ENABLE_ALL builds and runs
 
 

@@ -10,9 +10,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.placement.passes.activation_scale_folding import RULE_NAME, FoldPerChannelActivationScalesPass
+from kenosis_rewrite.testing import model_checks
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[3] / "fixtures"
 C = 6

@@ -6,11 +6,10 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.placement.passes.activation_u8 import RULE_NAME, ActivationInt8ToUint8Pass
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.placement.passes.activation_u8 import RULE_NAME, ActivationInt8ToUint8Pass
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:
@@ -147,8 +146,9 @@ def test_a_weight_read_through_identity_nodes_stays_int8_and_fix_is_idempotent()
     """An int8 weight constant read by its MatMuls through Identity nodes (a weight shared by several
     layers, as PyTorch exports it): not an activation-typed constant. A second fix() of NNCF's
     chython-rxnmap retyped 8 such weights to uint8 (u8u8 MatMuls) after the first folded them."""
-    import kenosis_rewrite  # noqa: PLC0415
     import onnx_ir as ir  # noqa: PLC0415
+
+    import kenosis_rewrite  # noqa: PLC0415
 
     proto = onnx.parser.parse_model("""
     <ir_version: 8, opset_import: ["" : 17]>

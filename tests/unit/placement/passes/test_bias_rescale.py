@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.placement.passes.bias_rescale import RULE_NAME, BiasRescalePass
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.placement.passes.bias_rescale import RULE_NAME, BiasRescalePass
+from kenosis_rewrite.testing import model_checks
 
 CONV = """
 <ir_version: 8, opset_import: ["" : 17]>

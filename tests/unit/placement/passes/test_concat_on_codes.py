@@ -7,8 +7,8 @@ import onnx
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.passes.concat_on_codes import RULE_NAME, ConcatOnCodesPass
+from kenosis_rewrite.testing import model_checks
 
 
 def _model(out_scale: str = "0.05", out_zero: str = "128", second_scale: str = "0.05", output_reader: bool = False) -> onnx.ModelProto:
@@ -85,8 +85,10 @@ def test_fix_on_ort_cpu_applies_it():
 def test_the_fuzz_unified_grids_config_feeds_it_and_fix_stays_bit_exact():
     """The property fuzz's ``unified_concat_grids`` (NNCF/Quark-style one grid per Concat) makes the
     pattern; fix() without its guard rewrites it and claims exactness, which the outputs bear out."""
-    from kenosis_rewrite.testing import fuzz_configs  # noqa: PLC0415
-    from kenosis_rewrite.testing import toy_models
+    from kenosis_rewrite.testing import (
+        fuzz_configs,  # noqa: PLC0415
+        toy_models,
+    )
 
     float_model = toy_models.build("concat", seed=2)
     feeds = toy_models.random_feeds(float_model, 4, seed=3)

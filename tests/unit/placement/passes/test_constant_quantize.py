@@ -6,9 +6,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.placement.passes.constant_quantize import RULE_NAME, FoldConstantQuantizePass
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.placement.passes.constant_quantize import RULE_NAME, FoldConstantQuantizePass
+from kenosis_rewrite.testing import model_checks
 
 
 def test_quantize_of_a_constant_node_becomes_an_integer_initializer_exactly():

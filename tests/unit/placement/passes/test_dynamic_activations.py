@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.passes.dynamic_activations import RULE_NAME, DynamicActivationsPass
+from kenosis_rewrite.testing import model_checks
 
 K, N, ROWS = 16, 12, 6
 X_SCALE, X_ZERO = 0.02, 128  # a calibrated range of [-2.56, 2.54]: the feeds below overshoot it

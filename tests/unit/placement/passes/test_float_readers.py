@@ -7,8 +7,8 @@ import onnx
 import pytest
 
 from kenosis_rewrite import quantize
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.passes.float_readers import RULE_NAME, FloatReadersReadFloatPass
+from kenosis_rewrite.testing import model_checks
 
 # x is quantized for the MatMul; a residual Sum (float) and a QDQ Add unit (integer) read the same
 # DQ; the DQ of `x` is also a graph output (left alone)

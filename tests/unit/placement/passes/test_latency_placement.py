@@ -7,13 +7,12 @@ import onnx_ir as ir
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.diagnosis.explain import explain as explain_model
 from kenosis_rewrite.placement.passes import latency_placement
 from kenosis_rewrite.placement.passes.latency_placement import ALL_FLOAT, LatencyPlacementPass
-from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _fixed(name="conv_hardswish"):

@@ -9,9 +9,8 @@ import onnx
 import onnx_ir as ir
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import interleaved_timing
-from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import fidelity, interleaved_timing
+from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.placement.passes.output_quantizers import (
     RULE_NAME,
     QuantizeWeightedOutputsPass,
@@ -19,8 +18,8 @@ from kenosis_rewrite.placement.passes.output_quantizers import (
     covering_grid,
     measure_output_ranges,
 )
-from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.placement.passes.saturation import activation_bounds
+from kenosis_rewrite.testing import model_checks
 
 # DQ -> Conv -> BN -> HardSwish -> Q: the Conv has no output quantizer (OpenVINO fuses the activation).
 MODEL = """

@@ -23,7 +23,6 @@ def _model(mode: str = "constant", value: float | None = 0.0, per_channel: bool 
            zero_point: int = 0, depthwise: bool = False, seed: int = 0, producer: bool = False) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     scale = (rng.uniform(0.01, 0.05, C) if per_channel else np.array(0.02)).astype(np.float32)
-    dtype = TensorProto.INT8
     inits = [numpy_helper.from_array(scale, "s"),
              numpy_helper.from_array(np.full(scale.shape, zero_point, np.int8), "z"),
              numpy_helper.from_array(np.array(pads, np.int64), "pads")]

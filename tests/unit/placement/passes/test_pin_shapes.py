@@ -7,11 +7,10 @@ import onnx
 import pytest
 
 from kenosis_rewrite import fix
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.core.ort_quantize import quantize_with_ort
+from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.placement.passes.pin_shapes import pinned_model
+from kenosis_rewrite.testing import model_checks, toy_models
 
 SHAPE = [1, toy_models.C, 24, 20]
 

@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.passes.qdq_propagation import DequantizeForwardPass, QuantizeBackwardPass, RedundantQDQPass
+from kenosis_rewrite.testing import model_checks
 
 CHAIN = """
 <ir_version: 8, opset_import: ["" : 17]>

@@ -6,9 +6,9 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.placement.passes.qparam_propagation import RULE_NAME, PassThroughQParamsPass
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.placement.passes.qparam_propagation import RULE_NAME, PassThroughQParamsPass
+from kenosis_rewrite.testing import model_checks
 
 CHAIN = """
 <ir_version: 8, opset_import: ["" : 17]>

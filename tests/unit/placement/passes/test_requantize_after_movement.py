@@ -8,8 +8,8 @@ import onnxruntime as ort
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.passes.requantize_after_movement import RULE_NAME, RequantizeAfterDataMovementPass
+from kenosis_rewrite.testing import model_checks
 
 MODEL = """
 <ir_version: 10, opset_import: ["" : {opset}]>

@@ -8,11 +8,10 @@ import onnx_ir as ir
 import pytest
 
 from kenosis_rewrite import fix
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.graph.value_origins import Origin, value_origins
 from kenosis_rewrite.placement.passes.shape_arithmetic import RULE_NAME, FloatShapeArithmeticPass
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _feeds(width: int, n: int = 4, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -60,7 +59,9 @@ def test_quantize_static_breaks_the_grid_at_other_sizes_and_the_pass_restores_it
     assert report.change_counts()[RULE_NAME] == 5 and all(not c.exact for c in report.changes)
     assert _shape_path_quantizers(fixed) == []
     # data-path quantizers are untouched, node for node
-    data_q = lambda m: [(n.input, n.output) for n in m.graph.node if n.op_type == "QuantizeLinear" and n.input[0] in ("x", "relu_5", "conv_9")]  # noqa: E731
+    def data_q(m):
+        return [(n.input, n.output) for n in m.graph.node if n.op_type == "QuantizeLinear" and n.input[0] in ("x", "relu_5", "conv_9")]
+
     assert data_q(fixed) == data_q(qdq) and len(data_q(qdq)) == 3
     for width in (40, 30, 48, 64):
         feed = _feeds(width, 1, seed=width)[0]

@@ -6,12 +6,10 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.placement.passes.symmetric_int8 import RULE_NAME, SymmetricActivationsPass
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.placement.passes.symmetric_int8 import RULE_NAME, SymmetricActivationsPass
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _apply(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, FixReport]:

@@ -7,12 +7,10 @@ import onnx_ir as ir
 import pytest
 from onnxscript.rewriter import RewriteRuleSet
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.placement.rules.activation_fusion import RULE_NAME, TENSORRT_FUSIBLE, activation_fusion_rules
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _apply(proto, activations=TENSORRT_FUSIBLE):

@@ -6,11 +6,10 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.placement.rules.activation_islands import activation_island_rules
+from kenosis_rewrite.testing import model_checks, toy_models
 
 # x -> Conv(int8 weights) -> Q1 -> DQ1 -> ACT -> Q2 -> DQ2 -> y, parameters filled in per test.
 ISLAND = """

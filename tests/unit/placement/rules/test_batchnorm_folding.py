@@ -6,11 +6,9 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.placement.rules.batchnorm_folding import RULE_NAME, batchnorm_rules
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _apply(proto):
@@ -56,7 +54,8 @@ def test_folding_matches_float_batchnorm_on_the_same_integer_weights():
     conv = next(n for n in fixed.graph.node if n.op_type == "Conv")
     weight_dq = model_checks.producer_of(fixed, conv.input[1])
     np.testing.assert_array_equal(model_checks.initializer(fixed, weight_dq.input[0]).reshape(2, 2), [[-60, 127], [20, 90]])
-    np.testing.assert_allclose(model_checks.initializer(fixed, weight_dq.input[1]), [0.01 * 0.5 / np.sqrt(1 + 1e-5), 0.01 * 2 / np.sqrt(4 + 1e-5)], rtol=1e-6)
+    np.testing.assert_allclose(model_checks.initializer(fixed, weight_dq.input[1]),
+                               [0.01 * 0.5 / np.sqrt(1 + 1e-5), 0.01 * 2 / np.sqrt(4 + 1e-5)], rtol=1e-6)
     feed = {"x": np.random.default_rng(0).standard_normal((1, 2, 3, 3)).astype(np.float32)}
     # channel 0 differs by the saturated weight only (0.01 * 0.5 * x[1]); channel 1 is exact to float32.
     before, after = model_checks.outputs(proto, feed)[0], model_checks.outputs(fixed, feed)[0]

@@ -7,8 +7,8 @@ import onnx
 import pytest
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.rules.conv_affine_folding import RULE_NAME, conv_affine_rules
+from kenosis_rewrite.testing import model_checks
 
 _SX = 0.02
 
@@ -84,7 +84,7 @@ def test_each_op_folds_as_its_per_channel_affine_either_operand_order(chain, a, 
 
 
 @pytest.mark.parametrize("chain,extra,reason", [
-    ("y = Add(c, k)", ", float[1, 1, 6, 6] k = {%s}" % ", ".join(["0.5"] * 36), "varies along another axis"),
+    ("y = Add(c, k)", ", float[1, 1, 6, 6] k = {" + ", ".join(["0.5"] * 36) + "}", "varies along another axis"),
     ("y = Div(c, k)", ", float[3, 1, 1] k = {1, 0, 3}", "a Div by a constant with a zero"),
 ])
 def test_what_is_not_a_per_channel_affine_of_the_conv_output_is_refused_with_reason(chain, extra, reason):
@@ -130,8 +130,7 @@ def test_quantize_static_chains_fold_through_their_quantizers_and_stay_as_faithf
     QLinearConv and three elementwise ops, each between its own Q/DQ."""
     import pathlib
 
-    from kenosis_rewrite.core import fidelity
-    from kenosis_rewrite.core import ort_quantize
+    from kenosis_rewrite.core import fidelity, ort_quantize
 
     float_model = onnx.load(pathlib.Path(__file__).resolve().parents[3] / "fixtures" / "lcnetish_fp32.onnx")
     rng = np.random.default_rng(1)

@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.rules.gather_dequantize import RULE_NAME, gather_dequantize_rules
+from kenosis_rewrite.testing import model_checks
 
 VOCAB, DIM = 11, 6
 

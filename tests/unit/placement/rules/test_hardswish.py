@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
+from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.placement.rules.hardswish import RULE_NAME, hardswish_rules
+from kenosis_rewrite.testing import model_checks, toy_models
 
 
 def _apply(proto):

@@ -8,13 +8,13 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from onnx_ir.passes import common as common_passes
 from onnx import TensorProto, helper, numpy_helper
+from onnx_ir.passes import common as common_passes
 
 import kenosis_rewrite
-from kenosis_rewrite.testing import model_checks
-from kenosis_rewrite.placement.rules.integer_matmul_bias import RULE_NAME, integer_matmul_bias_rules
 from kenosis_rewrite.canonicalization.rules.residual_sum import residual_sum_rules
+from kenosis_rewrite.placement.rules.integer_matmul_bias import RULE_NAME, integer_matmul_bias_rules
+from kenosis_rewrite.testing import model_checks
 
 K, N = 16, 12
 

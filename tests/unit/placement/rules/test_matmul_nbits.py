@@ -9,10 +9,10 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.placement.rules import matmul_nbits
 from kenosis_rewrite.placement.rules.matmul_nbits import matmul_nbits_rules
+from kenosis_rewrite.testing import model_checks
 
 K, N = 128, 64
 RNG_SEED = 0

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
 from kenosis_rewrite.placement.rules.prelu import prelu_rules
+from kenosis_rewrite.testing import model_checks, toy_models
 
 PRELU = """
 <ir_version: 8, opset_import: ["" : 17]>

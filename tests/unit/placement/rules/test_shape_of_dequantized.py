@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 import pytest
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.rules.shape_of_dequantized import RULE_NAME, shape_of_codes_rules
+from kenosis_rewrite.testing import model_checks
 
 
 def _model(reader: str, *, per_axis: bool = False, other_reader: bool = True) -> onnx.ModelProto:

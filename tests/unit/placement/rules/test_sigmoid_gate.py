@@ -9,11 +9,10 @@ import onnx
 import pytest
 
 from kenosis_rewrite import fix
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.core import ort_quantize
-from kenosis_rewrite.testing import toy_models
-from kenosis_rewrite.placement.rules.sigmoid_gate import RULE_NAME, sigmoid_gate_rules
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.placement.rules.sigmoid_gate import RULE_NAME, sigmoid_gate_rules
+from kenosis_rewrite.testing import model_checks, toy_models
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[3] / "fixtures"
 

@@ -6,11 +6,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from onnx_ir.passes import common as common_passes
 from onnx import TensorProto, helper, numpy_helper
+from onnx_ir.passes import common as common_passes
 
-from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.placement.rules.softmax_float_input import RULE_NAME, softmax_float_input_rules
+from kenosis_rewrite.testing import model_checks
 
 ANCHORS = 12
 

@@ -7,9 +7,9 @@ import onnx
 import pytest
 
 import kenosis_rewrite
+from kenosis_rewrite.placement.rules.successive_activations import RULE_NAME, successive_activation_rules
 from kenosis_rewrite.testing import model_checks
 from kenosis_rewrite.testing.fuzz_configs import quantize_with_config
-from kenosis_rewrite.placement.rules.successive_activations import RULE_NAME, successive_activation_rules
 
 _CALLS = {"Relu": ("Relu(x)", "Relu(t)"), "Clip": ("Clip(x, lo1, hi1)", "Clip(t, lo2, hi2)")}
 
@@ -96,12 +96,12 @@ def test_quantized_relus_in_a_row_fold_into_one_integer_conv_bit_for_bit():
     """quantize_static keeping removable activations, int8: Conv -> Q/DQ -> Relu -> Q/DQ -> Relu ->
     Q/DQ. Folding the islands left Conv -> Relu -> Relu -> Q, which ORT ran as a float FusedConv
     (fuzz seed 9535320); one Relu lets it fuse the Conv into a QLinearConv again."""
-    float_model = onnx.parser.parse_model("""
+    weights = ", ".join(f"{v:.3f}" for v in np.random.default_rng(1).standard_normal(108))
+    float_model = onnx.parser.parse_model(f"""
     <ir_version: 8, opset_import: ["" : 17]>
     g (float[1,3,8,8] x) => (float[1,4,8,8] y)
-    <float[4,3,3,3] w = {%s}>
-    { c = Conv<pads = [1, 1, 1, 1]>(x, w)  r = Relu(c)  y = Relu(r) }""" % ", ".join(
-        f"{v:.3f}" for v in np.random.default_rng(1).standard_normal(108)))
+    <float[4,3,3,3] w = {{{weights}}}>
+    {{ c = Conv<pads = [1, 1, 1, 1]>(x, w)  r = Relu(c)  y = Relu(r) }}""")
     feeds = [{"x": np.random.default_rng(seed).standard_normal((1, 3, 8, 8)).astype(np.float32)} for seed in range(4)]
     config = {"activation_type": "QInt8", "weight_type": "QInt8", "per_channel": False, "reduce_range": False,
               "calibrate_method": "MinMax", "extra_options": {"WeightSymmetric": True, "QDQKeepRemovableActivations": True},
