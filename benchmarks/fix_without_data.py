@@ -1,0 +1,81 @@
+"""fix() of a peer's output with no data against fix() with calibration feeds: speed and fidelity.
+
+    kenosis-rewrite peers install nncf        # once: the peer in its own venv
+    python benchmarks/fix_without_data.py nudenet_yolov8n --peer nncf \\
+        --json docs/benchmarks/fix_without_data/nudenet_yolov8n_nncf.json
+
+Quantizes the zoo model with the peer on 16 real photos (scenes), then times, interleaved in one
+process (warm-up, medians), at 1 and 2 threads: FP32, the peer's model as given, fix() with no
+arguments, and fix(calibration=the same 16 feeds). Fidelity is the cosine against FP32 on 100
+held-out photos of objects (mean and worst feed), and the task metric where the model has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+import onnxruntime as ort
+
+import kenosis_rewrite
+from kenosis_rewrite import zoo
+from kenosis_rewrite.benchmark.bench import measure_latency
+from kenosis_rewrite.benchmark.peers import quantize_with_peer
+from kenosis_rewrite.core import fidelity
+
+
+def _fidelity(reference: list, outputs: list) -> dict[str, float]:
+    per_feed = [fidelity.scores([r], [o])["cosine"] for r, o in zip(reference, outputs)]
+    return {"cosine": fidelity.scores(reference, outputs)["cosine"], "worst_feed_cosine": float(np.min(per_feed))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a zoo model name")
+    parser.add_argument("--peer", default="nncf", choices=["nncf", "inc", "quark"])
+    parser.add_argument("--calibration-samples", type=int, default=16)
+    parser.add_argument("--evaluation-samples", type=int, default=100)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--min-seconds", type=float, default=2.0)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    float_model = zoo.load_model(args.model)
+    calibration = zoo.model_feeds(args.model, zoo.load_photo_set("scenes", args.calibration_samples))
+    evaluation = zoo.model_feeds(args.model, zoo.load_photo_set("objects", args.evaluation_samples))
+    peer = quantize_with_peer(args.peer, float_model, calibration).model
+    no_data, no_data_report = kenosis_rewrite.fix(peer, return_report=True)
+    with_data, with_data_report = kenosis_rewrite.fix(peer, calibration=calibration, return_report=True)
+    variants = {"fp32": float_model, args.peer: peer, f"{args.peer}+fix()": no_data,
+                f"{args.peer}+fix(calibration=)": with_data}
+    reference = fidelity.run(float_model, evaluation)
+    result = {
+        "model": args.model, "peer": args.peer, "command": "python benchmarks/fix_without_data.py " + " ".join(sys.argv[1:]),
+        "onnxruntime": ort.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "variants": {},
+    }
+    for name, model in variants.items():
+        entry = {"integer_mac_fraction": kenosis_rewrite.explain(model).integer_mac_fraction}
+        if name != "fp32":
+            entry.update(_fidelity(reference, fidelity.run(model, evaluation)))
+        result["variants"][name] = entry
+    for threads in (int(t) for t in args.threads.split(",")):
+        stats = measure_latency(variants, evaluation[0], threads=threads, min_seconds=args.min_seconds)
+        for name, stat in stats.items():
+            result["variants"][name][f"median_ms_{threads}t"] = stat.median_ms
+            result["variants"][name][f"x_fp32_{threads}t"] = stats["fp32"].median_ms / stat.median_ms
+    result["notes"] = {"fix()": no_data_report.notes, "fix(calibration=)": with_data_report.notes}
+    print(json.dumps(result["variants"], indent=1))
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
