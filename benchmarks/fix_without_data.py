@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.peer}+fix(calibration=)": with_data}
     reference = fidelity.run(float_model, evaluation)
     result = {
-        "model": args.model, "peer": args.peer, "command": "python benchmarks/fix_without_data.py " + " ".join(sys.argv[1:]),
+        "kind": "fix_without_data", "model": args.model, "peer": args.peer,
+        "command": "python benchmarks/fix_without_data.py " + " ".join(sys.argv[1:]),
         "onnxruntime": ort.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "variants": {},
     }

@@ -46,6 +46,7 @@ SUMMARIES = {
     "zoo": "`python benchmarks/zoo_table.py docs/benchmarks/zoo/*.json`",
 }
 TITLES = {
+    "fix_without_data": "fix() of a peer's output with no data, against fix(calibration=)",
     "": "fix() on quantize_static's output (seven real models)",
     "zoo": "Every zoo model: quantize() against quantize_static, NNCF, INC and Quark",
 }
@@ -249,8 +250,25 @@ def command_of(json_path: Path, data: dict) -> str:
     return data.get("command") or COMMANDS[_folder(json_path)].replace("MODEL", json_path.stem)
 
 
+def variants_page(json_path: Path, data: dict) -> str:
+    """A results JSON with a ``variants`` table of its own (``"kind"`` set by the script that wrote it)."""
+    columns = sorted({key for entry in data["variants"].values() for key in entry})
+    rows = ["| variant | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for name, entry in data["variants"].items():
+        cells = [f"{entry[c]:.5g}" if isinstance(entry.get(c), float) else str(entry.get(c, "")) for c in columns]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    setup = f"onnxruntime {data.get('onnxruntime', '?')}, {data.get('machine', '?')}, {data.get('cpu_count', '?')} cores"
+    return "\n".join([
+        GENERATED_NOTE.format(source=json_path.name), "", f"# {data['model']}: {data['kind']} ({data.get('peer', '')})", "",
+        f"Data: [{json_path.name}]({json_path.name}). Produced by:", "", "```bash", data["command"], "```", "",
+        f"Setup: {setup}.", "", *rows, "",
+    ])
+
+
 def bench_page(json_path: Path) -> str:
     data = json.loads(json_path.read_text())
+    if "kind" in data:
+        return variants_page(json_path, data)
     result = load_bench(data)
     return "\n".join([
         GENERATED_NOTE.format(source=json_path.name), "", f"# {result.model}", "",
@@ -275,7 +293,9 @@ def bench_index() -> str:
             data = json.loads(path.read_text())
             env = data.get("environment") or {}
             rel = path.relative_to(BENCHMARKS).with_suffix("").as_posix()
-            setup = _one_line(f"{data['threads']} thread(s), onnxruntime {env.get('onnxruntime', '?')}, {env.get('cpu', '?')}")
+            threads = data.get("threads", "1 and 2")
+            setup = _one_line(f"{threads} thread(s), onnxruntime {env.get('onnxruntime', data.get('onnxruntime', '?'))}, "
+                              f"{env.get('cpu', data.get('machine', '?'))}")
             lines.append(f"| {data['model']} | [{rel}.md]({rel}.md) | [{rel}.json]({rel}.json) | {setup} |")
         lines.append("")
     # the same explanation as README.md (which GitHub shows for the folder; the docs site shows this page)
