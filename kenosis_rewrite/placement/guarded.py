@@ -16,6 +16,7 @@ import onnx
 
 from kenosis_rewrite.core import interleaved_timing, model_io
 from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
+from kenosis_rewrite.placement import speed_check
 from kenosis_rewrite.placement.fix_pass import _fix_once
 from kenosis_rewrite.placement.guard import Guard, candidate_undos
 from kenosis_rewrite.placement.passes import output_quantizers
@@ -29,6 +30,14 @@ UNVERIFIABLE_BLIND = frozenset({output_quantizers.RULE_NAME})
 
 
 def _guarded_fix(
+    model: model_io.ModelLike, first: model_io.LoadedModel, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
+) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """:func:`_faithful_fix`, then :func:`_not_slower`: what the guard accepts, never slower than the input."""
+    result = _faithful_fix(model, first, target, guard, output_ranges)
+    return _not_slower(model, result, target, guard, output_ranges)
+
+
+def _faithful_fix(
     model: model_io.ModelLike, first: model_io.LoadedModel, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """FixPass on ``first`` (the caller's ``model``, loaded), then the run-time guard; rules the guard
@@ -88,6 +97,39 @@ def _guarded_fix(
             )
         return loaded, retry_report, retry_after
     raise AssertionError("unreachable")
+
+
+def _not_slower(
+    model: model_io.ModelLike, result: tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None], target: str,
+    guard: Guard | None, output_ranges: Mapping | None,
+) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """``result``, unless it runs slower than the input (:mod:`.speed_check`): then the rules that changed
+    it are undone one at a time, latest first, until the result is neither slower nor rejected by the
+    guard; the input as it was where none passes."""
+    loaded, report, after = result
+    if guard is None or guard.unavailable or after is None or not report.changes:
+        return result
+    feed = guard.feeds[0]
+    if not speed_check.worth_timing(speed_check.input_latency_ms(guard.model, feed)):
+        return result
+    problem = speed_check.slower(guard.model, after, feed)
+    if problem is None:
+        return result
+    disabled = {r.rule for r in report.refusals if r.where == "whole model" and r.reason.startswith(GUARD_UNDO_REASON)}
+    for rule in dict.fromkeys(change.rule for change in reversed(report.changes)):
+        disabled.add(rule)
+        trial, trial_report = _fix_once(model, target, frozenset(disabled), output_ranges, report.held_sites)
+        trial_after = model_io.in_memory_proto(trial.model)
+        if (trial_after is not None and guard.violation(trial_after, trial_report) is None
+                and speed_check.slower(guard.model, trial_after, feed) is None):
+            trial_report.refusals[:0] = [Refusal(name, "whole model", f"undone: {problem}") for name in sorted(disabled)]
+            trial_report.note(f"speed check: {problem}; undone: {', '.join(sorted(disabled))}")
+            return trial, trial_report, trial_after
+    unchanged = model_io.load(model, lazy=True)
+    kept = FixReport(target=target)
+    kept.note(f"speed check: {problem}, and undoing its rules one by one did not make it faster: the input is "
+              "returned unchanged")
+    return unchanged, kept, model_io.in_memory_proto(unchanged.model)
 
 
 MAX_SITE_TRIALS = 48  # fix() runs the per-site search may spend, each held to the guard

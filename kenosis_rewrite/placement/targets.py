@@ -43,6 +43,7 @@ from kenosis_rewrite.placement.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.placement.passes.concat_on_codes import ConcatOnCodesPass
 from kenosis_rewrite.placement.passes.constant_quantize import FoldConstantQuantizePass
 from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
+from kenosis_rewrite.placement.passes.float_3d_conv import Float3DConvPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.placement.passes.qdq_propagation import (
     DequantizeAfterPadPass,
@@ -146,7 +147,7 @@ TARGETS: dict[str, Target] = {
         ),
         pre_passes=lambda report: [
             ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
-            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+            Float3DConvPass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
             ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)
         ],
         # the integer MatMuls' bias Adds fused into MatMulIntegerToFloat (rules.integer_matmul_bias) before
@@ -168,7 +169,7 @@ TARGETS: dict[str, Target] = {
         ),
         pre_passes=lambda report: [
             ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
-            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+            Float3DConvPass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
             DequantizeAfterSplitPass(report)
         ],
         rules=_ort_rules,
