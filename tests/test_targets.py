@@ -134,3 +134,21 @@ def test_quantize_for_an_int8_target_runs_where_the_output_is_a_reshape_of_a_qua
         got = fidelity.run(quantized, [feed])[0][0]  # ORT_ENABLE_ALL: builds and runs
         assert got.shape == expected.shape
         assert fidelity.cosine(expected, got) > 0.99
+
+
+def test_tensorrt_leaves_no_quantizer_between_a_residual_add_and_its_relu():
+    """TensorRT fuses a residual Add and the Relu after it into the epilogue of the layer before:
+    the Relu reads the Add directly (no Q/DQ between them), and the model stays close to FP32. (With
+    QDQKeepRemovableActivations quantize_static keeps the Relu, and the pair between it and the Add.)"""
+    float_model, feeds, qdq = _case("resnetish", "keep")
+    adds_into_relu = [n for n in qdq.graph.node if n.op_type == "Relu"
+                      and model_checks.producer_of(qdq, n.input[0]).op_type == "DequantizeLinear"
+                      and model_checks.producer_of(qdq, model_checks.producer_of(
+                          qdq, model_checks.producer_of(qdq, n.input[0]).input[0]).input[0]).op_type == "Add"]
+    assert adds_into_relu  # quantize_static writes Add -> Q -> DQ -> Relu
+    fixed, report = kenosis_rewrite.fix(qdq, target="tensorrt", return_report=True)
+    relus_after_add = [n for n in fixed.graph.node if n.op_type == "Relu"
+                       and model_checks.producer_of(fixed, n.input[0]).op_type == "Add"]
+    assert len(relus_after_add) == len(adds_into_relu)
+    scores = fidelity.compare_to_float(float_model, {"input": qdq, "fixed": fixed}, feeds[4:])
+    assert scores["fixed"]["cosine"] > 0.995
