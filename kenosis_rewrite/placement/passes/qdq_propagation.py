@@ -62,6 +62,13 @@ def _copy_node(
     return copy
 
 
+def _dequantize_like(dq: ir.Node, value: ir.Value, names: qdq_params.NameAllocator, suffix: str,
+                     unnamed: str = "dq") -> ir.Node:
+    """A DequantizeLinear of ``value`` with ``dq``'s parameters and attributes (not yet in a graph)."""
+    return ir.Node("", "DequantizeLinear", [value, *dq.inputs[1:]], attributes=list(dq.attributes.values()),
+                   name=names.fresh(f"{dq.name or unnamed}_{suffix}"))
+
+
 def _redirect(old: ir.Value, new: ir.Value) -> None:
     """Consumers (and the graph-output slot, keeping its name) of ``old`` read ``new``."""
     graph = old.graph
@@ -115,11 +122,7 @@ class DequantizeForwardPass(ReportingPass):
         dequantizers = [v.producer() for v in data_inputs]
         quantized = [dq.inputs[0] for dq in dequantizers]
         moved = _copy_node(graph, node, quantized + list(node.inputs[len(data_inputs):]), node, names)
-        first = dequantizers[0]
-        dequantize = ir.Node(
-            "", "DequantizeLinear", [moved.outputs[0], *first.inputs[1:]],
-            attributes=list(first.attributes.values()), name=names.fresh(f"{first.name or 'dq'}_forward"),
-        )
+        dequantize = _dequantize_like(dequantizers[0], moved.outputs[0], names, "forward")
         graph.insert_after(moved, dequantize)
         _redirect(node.outputs[0], dequantize.outputs[0])
         self.changed(node.name or node.op_type, f"{node.op_type} now runs on the quantized tensor", exact=True)
@@ -154,10 +157,7 @@ class DequantizeAfterSplitPass(ReportingPass):
         for old, new in zip(split.outputs, moved.outputs):
             if not old.uses() and not old.is_graph_output():
                 continue
-            dequantize = ir.Node(
-                "", "DequantizeLinear", [new, *dq.inputs[1:]], attributes=list(dq.attributes.values()),
-                name=names.fresh(f"{dq.name or 'DequantizeLinear'}_split"),
-            )
+            dequantize = _dequantize_like(dq, new, names, "split", unnamed="DequantizeLinear")
             graph.insert_after(anchor, dequantize)
             anchor = dequantize
             _redirect(old, dequantize.outputs[0])
@@ -203,8 +203,7 @@ class DequantizeAfterPadPass(ReportingPass):
             inputs[2] = value
         moved = ir.Node(pad.domain, "Pad", inputs, attributes=list(pad.attributes.values()), name=names.fresh(f"{where}_q"))
         graph.insert_after(pad, moved)
-        dequantize = ir.Node("", "DequantizeLinear", [moved.outputs[0], *dq.inputs[1:]],
-                             attributes=list(dq.attributes.values()), name=names.fresh(f"{dq.name or 'dq'}_pad"))
+        dequantize = _dequantize_like(dq, moved.outputs[0], names, "pad")
         graph.insert_after(moved, dequantize)
         _redirect(pad.outputs[0], dequantize.outputs[0])
         self.changed(where, "Pad now runs on the quantized tensor" + (f" (fill code {code})" if code is not None else ""),
