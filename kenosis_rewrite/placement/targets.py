@@ -121,6 +121,16 @@ def _ort_rules(report: Report) -> list[RewriteRule]:
     ]
 
 
+def _ort_pre(report: Report, to_uint8: bool) -> list:
+    """The ORT CPU targets' passes before the rules; ``to_uint8``: x86, where ORT runs int8 activations
+    with several consumers in float, so every activation is retyped to uint8."""
+    return [
+        ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+        Float3DConvPass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+        *([ActivationInt8ToUint8Pass(report)] if to_uint8 else []), DequantizeAfterSplitPass(report),
+    ]
+
+
 def _ort_post(report: Report) -> list:
     return [
         # a Pad between a DQ and the Conv it pads for (EfficientNet's static_padding) runs on the codes;
@@ -145,11 +155,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
-        pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
-            Float3DConvPass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
-            ActivationInt8ToUint8Pass(report), DequantizeAfterSplitPass(report)
-        ],
+        pre_passes=lambda report: _ort_pre(report, to_uint8=True),
         # the integer MatMuls' bias Adds fused into MatMulIntegerToFloat (rules.integer_matmul_bias) before
         # residual_sum sees them; SkipLayerNormalization measured 1.3-8x slower than Sum +
         # LayerNormalization on x86 (rules.residual_sum), QLinearSoftmax 1.2-6x slower than
@@ -167,11 +173,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="cited: QDQIsInt8Allowed() under MLAS_TARGET_ARM_ANY (onnxruntime qdq_selector_action_transformer.h)",
         ),
-        pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
-            Float3DConvPass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
-            DequantizeAfterSplitPass(report)
-        ],
+        pre_passes=lambda report: _ort_pre(report, to_uint8=False),
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
