@@ -17,6 +17,8 @@ downstream quantizer of step ``s`` over ``[lo, hi]`` (``lo <= 0 <= hi``):
   and returns to 0 as ``x -> -inf``: a range that starts at 0 clamps every ``x <= 0`` to the zero point
   (``a = 0``); otherwise ``a`` is where the left branch is last at ``-0.49 s`` (every value left of it
   rounds to the zero point), or ``m`` where the whole dip is that shallow.
+* **LeakyRelu** and **PRelu** with positive slopes: ``a = lo / alpha`` (``alpha`` the smallest slope: below
+  it every channel's value is at most ``lo``), or 0 where the range starts at 0; ``b = hi``.
 * **Sigmoid** and **Tanh**: increasing and bounded: ``b = f^-1(hi)`` where ``hi`` is below the supremum;
   otherwise where ``f`` is past the rounding boundary of the supremum's code by ``0.01 s`` (every larger
   value takes that code); ``a`` likewise at the infimum.
@@ -171,11 +173,23 @@ def _decomposed_silu(value: ir.Value) -> ir.Value | None:
     return mul.outputs[0]
 
 
+def _leaky_slope(node: ir.Node) -> float | None:
+    """The smallest negative-side slope of a LeakyRelu, or of a PRelu with constant slopes, when all are > 0."""
+    if qdq_params.is_op(node, "LeakyRelu"):
+        alpha = node.attributes.get_float("alpha", 0.01)
+        return alpha if alpha > 0 else None
+    if qdq_params.is_op(node, "PRelu") and len(node.inputs) > 1:
+        slopes = qdq_params.const_array(node.inputs[1])
+        if slopes is not None and slopes.size and float(np.min(slopes)) > 0:
+            return float(np.min(slopes))
+    return None
+
+
 def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float] | None:
     """``(kind, output, alpha, beta)`` when the readers of ``value`` compute one saturating
     activation of it: a HardSwish (one op, or written as arithmetic as Paddle exports it), a
-    HardSigmoid with ``alpha > 0``, a SiLU (``x * Sigmoid(x)``), or a Gelu (exact form), Mish,
-    Sigmoid or Tanh op."""
+    HardSigmoid with ``alpha > 0``, a SiLU (``x * Sigmoid(x)``), a Gelu (exact form), Mish,
+    Sigmoid or Tanh op, or a LeakyRelu or PRelu with positive slopes (``alpha``: the smallest)."""
     uses = list(value.uses())
     if len(uses) == 1 and uses[0][1] == 0:
         node = uses[0][0]
@@ -187,6 +201,9 @@ def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float]
         if qdq_params.is_op(node, "HardSigmoid"):
             alpha, beta = node.attributes.get_float("alpha", 0.2), node.attributes.get_float("beta", 0.5)
             return ("HardSigmoid", node.outputs[0], alpha, beta) if alpha > 0 else None
+        slope = _leaky_slope(node)
+        if slope is not None:
+            return "LeakyRelu", node.outputs[0], slope, 0.0
     output = _decomposed_hardswish(value)
     if output is not None:
         return "HardSwish", output, 1 / 6, 0.5
@@ -200,6 +217,8 @@ def activation_bounds(kind: str, alpha: float, beta: float, lo: float, hi: float
     docstring."""
     if kind in SMOOTH_ACTIVATIONS:
         return smooth_bounds(kind, lo, hi, step)
+    if kind == "LeakyRelu":  # alpha x for x < 0 (alpha the smallest slope), x above: clamped below lo / alpha
+        return (lo / alpha if lo < 0 else 0.0), hi
     if kind == "HardSwish":
         low = 0.0 if lo >= 0.0 else _HARDSWISH_ZERO_BELOW
         # x * (x + 3) / 6 = hi on the increasing branch, or x itself from x = 3 on

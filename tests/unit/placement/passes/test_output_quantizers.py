@@ -166,10 +166,24 @@ g (float[1, 2, 6, 6] x) => (float[1, 3, 6, 6] y)
 
 
 def test_without_calibration_an_unbounded_activation_is_left_with_a_note():
-    fixed, report = kenosis_rewrite.fix(onnx.parser.parse_model(SILU), return_report=True)
+    """Abs has no value beyond which the downstream code stops changing: no grid without data."""
+    fixed, report = kenosis_rewrite.fix(onnx.parser.parse_model(SILU.replace("LeakyRelu(c)", "Abs(c)")), return_report=True)
     assert RULE_NAME not in report.change_counts()
     assert any("pass calibration=" in note for note in report.notes)
     assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 0.0
+
+
+def test_without_calibration_a_leaky_relu_is_bounded_by_the_quantizer_after_it():
+    """LeakyRelu(c) = 0.2 c below 0: below lo / 0.2 the quantizer after it clamps every value. (With a
+    slope of 0.01 the bound is sound too, but the grid over [lo / 0.01, hi] is coarse where the values
+    are, and the guard undoes it: bounds are facts, the grid's resolution is the guard's to judge.)"""
+    model = onnx.parser.parse_model(SILU.replace("LeakyRelu(c)", "LeakyRelu <alpha: float = 0.2> (c)"))
+    fixed, report = kenosis_rewrite.fix(model, return_report=True)
+    changes = [c for c in report.changes if c.rule == RULE_NAME]
+    assert len(changes) == 1 and "LeakyRelu then a quantizer over" in changes[0].detail
+    assert kenosis_rewrite.explain(fixed).integer_mac_fraction == 1.0
+    feed = {"x": np.random.default_rng(3).uniform(-2, 2, (1, 2, 6, 6)).astype(np.float32)}
+    np.testing.assert_allclose(model_checks.outputs(fixed, feed)[0], model_checks.outputs(model, feed)[0], atol=0.03 + 1e-6)
 
 
 # NNCF's YOLOv8 C2f form: two dequantized tensors concatenated, read by a Conv; nothing quantizes the Concat.

@@ -34,6 +34,7 @@ def _f32(kind: str, x: np.ndarray) -> np.ndarray:
             "Mish": x * np.tanh(np.log1p(np.exp(x))).astype(np.float32),
             "HardSwish": x * np.clip(x / np.float32(6) + np.float32(0.5), 0, 1),
             "HardSigmoid": np.clip(np.float32(0.2) * x + np.float32(0.5), 0, 1),
+            "LeakyRelu": np.where(x < 0, np.float32(0.1) * x, x),
         }[kind].astype(np.float32)
 
 
@@ -51,10 +52,10 @@ def _grids(seed: int):
         yield scale, zero_point, qmin, qmax
 
 
-@pytest.mark.parametrize("kind", [*SMOOTH_ACTIVATIONS, "HardSwish", "HardSigmoid"])
+@pytest.mark.parametrize("kind", [*SMOOTH_ACTIVATIONS, "HardSwish", "HardSigmoid", "LeakyRelu"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_outside_the_bounds_the_downstream_code_is_the_bounds_code(kind, seed):
-    alpha, beta = (0.2, 0.5) if kind == "HardSigmoid" else ((1 / 6, 0.5) if kind == "HardSwish" else (1.0, 0.0))
+    alpha, beta = {"HardSigmoid": (0.2, 0.5), "HardSwish": (1 / 6, 0.5), "LeakyRelu": (0.1, 0.0)}.get(kind, (1.0, 0.0))
     for scale, zero_point, qmin, qmax in _grids(seed):
         lo, hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
         if not lo <= 0 <= hi:
@@ -131,3 +132,15 @@ def test_fix_without_data_quantizes_a_conv_before_silu_from_the_bounds_and_keeps
     before = fidelity.scores(reference, fidelity.run(qdq, feeds))["cosine"]
     after = fidelity.scores(reference, fidelity.run(fixed, feeds))["cosine"]
     assert after >= before - 0.002
+
+
+def test_a_prelu_bound_holds_for_every_channel_slope():
+    """PRelu's per-channel slopes: the bound uses the smallest, so below it every channel is clamped."""
+    slopes = np.array([0.05, 0.2, 0.5], np.float32)
+    scale, zero_point, qmin, qmax = 0.02, 100, 0, 255
+    lo, hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
+    a, b = activation_bounds("LeakyRelu", float(slopes.min()), 0.0, lo, hi, scale)
+    below = (a - np.geomspace(1e-4, 1e4, 200)).astype(np.float32)
+    for slope in slopes:
+        assert np.all(_codes(slope * below, scale, zero_point, qmin, qmax) == qmin)
+    assert np.all(_codes(np.float32(b) + np.geomspace(1e-4, 1e4, 200).astype(np.float32), scale, zero_point, qmin, qmax) == qmax)
