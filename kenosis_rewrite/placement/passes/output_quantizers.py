@@ -202,12 +202,15 @@ def site_range(site: Site, measured: tuple[float, float] | None) -> tuple[float,
     return lo, hi, f"the measured range within the bounds of {why}"
 
 
+_ULP_STEPS = 64
+
+
 def covering_grid(lo: float, hi: float, qmin: int, qmax: int) -> tuple[np.float32, int] | None:
     """``(scale, zero_point)`` of the asymmetric grid over ``[min(lo, 0), max(hi, 0)]`` whose codes
     reach both ends: the zero point's rounding would otherwise leave up to half a step of one end
     outside, which clamps values a saturation bound promises to keep."""
     lo, hi = min(lo, 0.0), max(hi, 0.0)
-    if not hi > lo:
+    if not (np.isfinite(lo) and np.isfinite(hi) and hi > lo):
         return None
     scale = (hi - lo) / (qmax - qmin)
     zero_point = int(np.clip(np.rint(qmin - lo / scale), qmin, qmax))
@@ -216,10 +219,13 @@ def covering_grid(lo: float, hi: float, qmin: int, qmax: int) -> tuple[np.float3
     if zero_point > qmin:
         scale = max(scale, lo / (qmin - zero_point))
     scale = np.float32(scale)
-    # float32 rounding must not leave an end outside either
-    while (qmax - zero_point) * float(scale) < hi or (qmin - zero_point) * float(scale) > lo:
+    # float32 rounding must not leave an end outside either (a few steps of one ulp at most; a grid
+    # whose zero point sits at an end while the range reaches past it never gets there)
+    for _ in range(_ULP_STEPS):
+        if (qmax - zero_point) * float(scale) >= hi and (qmin - zero_point) * float(scale) <= lo:
+            return scale, zero_point
         scale = np.nextafter(scale, np.float32(np.inf))
-    return scale, zero_point
+    return None
 
 
 def _in_float_type(scale: np.float32, like: qdq_params.QuantParams) -> np.ndarray:

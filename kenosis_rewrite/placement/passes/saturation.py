@@ -17,8 +17,9 @@ downstream quantizer of step ``s`` over ``[lo, hi]`` (``lo <= 0 <= hi``):
   and returns to 0 as ``x -> -inf``: a range that starts at 0 clamps every ``x <= 0`` to the zero point
   (``a = 0``); otherwise ``a`` is where the left branch is last at ``-0.49 s`` (every value left of it
   rounds to the zero point), or ``m`` where the whole dip is that shallow.
-* **LeakyRelu** and **PRelu** with positive slopes: ``a = lo / alpha`` (``alpha`` the smallest slope: below
-  it every channel's value is at most ``lo``), or 0 where the range starts at 0; ``b = hi``.
+* **LeakyRelu** and **PRelu** (constant slopes, per channel): below 0 a channel of slope ``alpha > 0``
+  falls under ``lo`` from ``lo / alpha`` on (0 where the range starts at 0), one of slope ``beta < 0``
+  rises over ``hi`` from ``hi / beta`` on: ``a`` is the lowest of these over the channels; ``b = hi``.
 * **Sigmoid** and **Tanh**: increasing and bounded: ``b = f^-1(hi)`` where ``hi`` is below the supremum;
   otherwise where ``f`` is past the rounding boundary of the supremum's code by ``0.01 s`` (every larger
   value takes that code); ``a`` likewise at the infimum.
@@ -43,6 +44,9 @@ __all__ = ["SMOOTH_ACTIVATIONS", "activation_bounds", "saturating_activation", "
 
 _HARDSWISH_ZERO_BELOW = -3.0  # HardSwish(x) = x * clip(x / 6 + 1 / 2, 0, 1) = 0 for x <= -3
 _EDGE = 0.01  # margin, in steps of the downstream grid, kept from a rounding boundary
+# bounds wider than this many times the downstream quantizer's range make a grid too coarse to be
+# worth a guard run (a LeakyRelu of slope 0.01: 100 times; SiLU before a [0, 6] quantizer: about 2)
+MAX_SPREAD = 4.0
 _HALF_STEP = 0.49  # a value within this many steps of 0 rounds to the zero point
 
 
@@ -173,23 +177,27 @@ def _decomposed_silu(value: ir.Value) -> ir.Value | None:
     return mul.outputs[0]
 
 
-def _leaky_slope(node: ir.Node) -> float | None:
-    """The smallest negative-side slope of a LeakyRelu, or of a PRelu with constant slopes, when all are > 0."""
+def _negative_side_slopes(node: ir.Node) -> tuple[float, float] | None:
+    """``(smallest positive slope or 0, largest negative slope or 0)`` of a LeakyRelu, or of a PRelu
+    with constant slopes (a channel of slope 0 is 0 below 0 and bounds nothing)."""
     if qdq_params.is_op(node, "LeakyRelu"):
-        alpha = node.attributes.get_float("alpha", 0.01)
-        return alpha if alpha > 0 else None
-    if qdq_params.is_op(node, "PRelu") and len(node.inputs) > 1:
+        slopes = np.array([node.attributes.get_float("alpha", 0.01)])
+    elif qdq_params.is_op(node, "PRelu") and len(node.inputs) > 1:
         slopes = qdq_params.const_array(node.inputs[1])
-        if slopes is not None and slopes.size and float(np.min(slopes)) > 0:
-            return float(np.min(slopes))
-    return None
+        if slopes is None or not slopes.size:
+            return None
+    else:
+        return None
+    positive, negative = slopes[slopes > 0], slopes[slopes < 0]
+    return (float(positive.min()) if positive.size else 0.0, float(negative.max()) if negative.size else 0.0)
 
 
 def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float] | None:
     """``(kind, output, alpha, beta)`` when the readers of ``value`` compute one saturating
     activation of it: a HardSwish (one op, or written as arithmetic as Paddle exports it), a
     HardSigmoid with ``alpha > 0``, a SiLU (``x * Sigmoid(x)``), a Gelu (exact form), Mish,
-    Sigmoid or Tanh op, or a LeakyRelu or PRelu with positive slopes (``alpha``: the smallest)."""
+    Sigmoid or Tanh op, or a LeakyRelu or PRelu with constant slopes (``alpha``: the smallest positive
+    slope, ``beta``: the negative slope nearest 0, each 0 where there is none)."""
     uses = list(value.uses())
     if len(uses) == 1 and uses[0][1] == 0:
         node = uses[0][0]
@@ -201,9 +209,9 @@ def saturating_activation(value: ir.Value) -> tuple[str, ir.Value, float, float]
         if qdq_params.is_op(node, "HardSigmoid"):
             alpha, beta = node.attributes.get_float("alpha", 0.2), node.attributes.get_float("beta", 0.5)
             return ("HardSigmoid", node.outputs[0], alpha, beta) if alpha > 0 else None
-        slope = _leaky_slope(node)
-        if slope is not None:
-            return "LeakyRelu", node.outputs[0], slope, 0.0
+        slopes = _negative_side_slopes(node)
+        if slopes is not None:
+            return "LeakyRelu", node.outputs[0], *slopes
     output = _decomposed_hardswish(value)
     if output is not None:
         return "HardSwish", output, 1 / 6, 0.5
@@ -217,8 +225,10 @@ def activation_bounds(kind: str, alpha: float, beta: float, lo: float, hi: float
     docstring."""
     if kind in SMOOTH_ACTIVATIONS:
         return smooth_bounds(kind, lo, hi, step)
-    if kind == "LeakyRelu":  # alpha x for x < 0 (alpha the smallest slope), x above: clamped below lo / alpha
-        return (lo / alpha if lo < 0 else 0.0), hi
+    if kind == "LeakyRelu":  # slope x below 0: a positive slope falls below lo, a negative one rises above hi
+        ends = [lo / alpha if lo < 0 else 0.0] if alpha > 0 else []
+        ends += [hi / beta] if beta < 0 else []
+        return min(ends, default=0.0), hi
     if kind == "HardSwish":
         low = 0.0 if lo >= 0.0 else _HARDSWISH_ZERO_BELOW
         # x * (x + 3) / 6 = hi on the increasing branch, or x itself from x = 3 on
@@ -278,6 +288,6 @@ def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
         if not hi >= 0:  # the quantizer's whole range lies below what the activation reaches
             return None
     low, high = activation_bounds(kind, alpha, beta, lo, hi, scale / scale_after)
-    if not low < high:
-        return None
+    if not low < high or (max(high, 0.0) - min(low, 0.0)) > MAX_SPREAD * (hi - lo):
+        return None  # a grid that wide would be far coarser than the quantizer it feeds
     return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]{through}"

@@ -175,8 +175,8 @@ def test_without_calibration_an_unbounded_activation_is_left_with_a_note():
 
 def test_without_calibration_a_leaky_relu_is_bounded_by_the_quantizer_after_it():
     """LeakyRelu(c) = 0.2 c below 0: below lo / 0.2 the quantizer after it clamps every value. (With a
-    slope of 0.01 the bound is sound too, but the grid over [lo / 0.01, hi] is coarse where the values
-    are, and the guard undoes it: bounds are facts, the grid's resolution is the guard's to judge.)"""
+    slope of 0.01 the bound is sound too, but a grid over [lo / 0.01, hi] would be 100 times wider than
+    the quantizer it feeds, and is not made: saturation.MAX_SPREAD.)"""
     model = onnx.parser.parse_model(SILU.replace("LeakyRelu(c)", "LeakyRelu <alpha: float = 0.2> (c)"))
     fixed, report = kenosis_rewrite.fix(model, return_report=True)
     changes = [c for c in report.changes if c.rule == RULE_NAME]
@@ -410,3 +410,12 @@ def test_a_guard_blind_on_made_up_feeds_leaves_the_rule_out_and_says_how_to_appl
     # and a second fix() of the blind result finds nothing more to do
     again = kenosis_rewrite.fix(fixed)
     assert again.SerializeToString() == fixed.SerializeToString()
+
+
+def test_a_grid_that_cannot_reach_both_ends_is_refused_not_searched_forever():
+    """A range so lopsided that the zero point lands on qmax while hi > 0 (a PRelu slope near 0 from
+    below bounds its input at hi / slope): no 8-bit grid reaches both ends, so there is none."""
+    assert covering_grid(-70000.0, 7.0, 0, 255) is None
+    assert covering_grid(float("-inf"), 7.0, 0, 255) is None
+    scale, zero_point = covering_grid(-3.0, 7.05, 0, 255)
+    assert (255 - zero_point) * float(scale) >= 7.05 and (0 - zero_point) * float(scale) <= -3.0

@@ -134,13 +134,17 @@ def test_fix_without_data_quantizes_a_conv_before_silu_from_the_bounds_and_keeps
     assert after >= before - 0.002
 
 
-def test_a_prelu_bound_holds_for_every_channel_slope():
-    """PRelu's per-channel slopes: the bound uses the smallest, so below it every channel is clamped."""
-    slopes = np.array([0.05, 0.2, 0.5], np.float32)
-    scale, zero_point, qmin, qmax = 0.02, 100, 0, 255
+@pytest.mark.parametrize("zero_point", [0, 100])
+def test_a_prelu_bound_holds_for_every_channel_slope_of_either_sign(zero_point):
+    """PRelu's per-channel slopes, some negative (MTCNN's): below the bound every channel's code is
+    the code it has at the bound (qmin for a positive slope, qmax for a negative one)."""
+    slopes = np.array([0.05, 0.2, 0.5, -0.4, -1.3, 0.0], np.float32)
+    scale, qmin, qmax = 0.02, 0, 255
     lo, hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
-    a, b = activation_bounds("LeakyRelu", float(slopes.min()), 0.0, lo, hi, scale)
+    positive, negative = slopes[slopes > 0], slopes[slopes < 0]
+    a, b = activation_bounds("LeakyRelu", float(positive.min()), float(negative.max()), lo, hi, scale)
     below = (a - np.geomspace(1e-4, 1e4, 200)).astype(np.float32)
     for slope in slopes:
-        assert np.all(_codes(slope * below, scale, zero_point, qmin, qmax) == qmin)
+        at_bound = _codes(np.float32(slope) * np.float32(a), scale, zero_point, qmin, qmax)
+        assert np.all(_codes(np.float32(slope) * below, scale, zero_point, qmin, qmax) == at_bound)
     assert np.all(_codes(np.float32(b) + np.geomspace(1e-4, 1e4, 200).astype(np.float32), scale, zero_point, qmin, qmax) == qmax)
