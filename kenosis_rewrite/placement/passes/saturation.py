@@ -44,8 +44,9 @@ __all__ = ["SMOOTH_ACTIVATIONS", "activation_bounds", "saturating_activation", "
 
 _HARDSWISH_ZERO_BELOW = -3.0  # HardSwish(x) = x * clip(x / 6 + 1 / 2, 0, 1) = 0 for x <= -3
 _EDGE = 0.01  # margin, in steps of the downstream grid, kept from a rounding boundary
-# bounds wider than this many times the downstream quantizer's range make a grid too coarse to be
-# worth a guard run (a LeakyRelu of slope 0.01: 100 times; SiLU before a [0, 6] quantizer: about 2)
+# LeakyRelu/PRelu bounds wider than this many times the downstream quantizer's range make a grid too
+# coarse to be worth a guard run (a slope of 0.01: 100 times). Not for the saturating activations:
+# their wide negative ends map to values within a step of 0, where a coarse grid costs nothing.
 MAX_SPREAD = 4.0
 _HALF_STEP = 0.49  # a value within this many steps of 0 rounds to the zero point
 
@@ -288,6 +289,8 @@ def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
         if not hi >= 0:  # the quantizer's whole range lies below what the activation reaches
             return None
     low, high = activation_bounds(kind, alpha, beta, lo, hi, scale / scale_after)
-    if not low < high or (max(high, 0.0) - min(low, 0.0)) > MAX_SPREAD * (hi - lo):
-        return None  # a grid that wide would be far coarser than the quantizer it feeds
+    if not low < high:
+        return None
+    if kind == "LeakyRelu" and max(high, 0.0) - min(low, 0.0) > MAX_SPREAD * (hi - lo):
+        return None  # linear below 0 as well: a grid that wide is far coarser than the quantizer it feeds
     return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]{through}"
