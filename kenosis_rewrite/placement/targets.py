@@ -131,6 +131,16 @@ def _ort_pre(report: Report, to_uint8: bool) -> list:
     ]
 
 
+def _symmetric_pre(report: Report, fusible: tuple[str, ...]) -> list:
+    """The symmetric-int8 targets' passes before the rules (TensorRT, NPU): every activation to
+    symmetric int8, the Q/DQ before the activations the target fuses left for the rules to remove."""
+    return [
+        ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+        FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
+        SymmetricActivationsPass(report, fusible),
+    ]
+
+
 def _ort_post(report: Report) -> list:
     return [
         # a Pad between a DQ and the Conv it pads for (EfficientNet's static_padding) runs on the codes;
@@ -186,11 +196,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
-        pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
-            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
-            SymmetricActivationsPass(report, TENSORRT_FUSIBLE),
-        ],
+        pre_passes=lambda report: _symmetric_pre(report, TENSORRT_FUSIBLE),
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
         post_passes=lambda report: [
             DequantizeAfterPadPass(report), DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
@@ -206,11 +212,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="research: positive homogeneity f(a x) = a f(x), a > 0; Quark's DPU placement Conv -> Relu -> Q -> DQ",
         ),
-        pre_passes=lambda report: [
-            ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
-            FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
-            SymmetricActivationsPass(report, NPU_FUSIBLE),
-        ],
+        pre_passes=lambda report: _symmetric_pre(report, NPU_FUSIBLE),
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=_ort_post,
     ),
