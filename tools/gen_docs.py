@@ -40,12 +40,15 @@ COMMANDS = {
          "--json docs/benchmarks/MODEL.json --html docs/benchmarks/MODEL.html"),
     "zoo": ("kenosis-rewrite bench zoo:MODEL --configs u8s8_pc,u8s8 --quantize --peers nncf,inc,quark --threads 1,2 "
             "--calibration-samples 16 --photos large --min-seconds 1 --json docs/benchmarks/zoo/MODEL.json"),
+    "per_site": ("kenosis-rewrite bench zoo:MODEL --configs u8s8_pc --threads 1,2 --calibration-samples 16 "
+                 "--photos large --min-seconds 2 --json docs/benchmarks/per_site/MODEL.json"),
 }
 SUMMARIES = {
     "": "`python benchmarks/results_table.py docs/benchmarks/*.json`",
     "zoo": "`python benchmarks/zoo_table.py docs/benchmarks/zoo/*.json`",
 }
 TITLES = {
+    "per_site": "fix() where the guard undoes a rule at the sites that cost fidelity only",
     "fix_without_data": "fix() of a peer's output with no data, against fix(calibration=)",
     "": "fix() on quantize_static's output (seven real models)",
     "zoo": "Every zoo model: quantize() against quantize_static, NNCF, INC and Quark",
