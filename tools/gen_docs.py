@@ -40,6 +40,8 @@ COMMANDS = {
          "--json docs/benchmarks/MODEL.json --html docs/benchmarks/MODEL.html"),
     "zoo": ("kenosis-rewrite bench zoo:MODEL --configs u8s8_pc,u8s8 --quantize --peers nncf,inc,quark --threads 1,2 "
             "--calibration-samples 16 --photos large --min-seconds 1 --json docs/benchmarks/zoo/MODEL.json"),
+    "float_3d_conv": ("python benchmarks/conv3d_model.py /tmp/conv3d.onnx && kenosis-rewrite bench /tmp/conv3d.onnx "
+                      "--configs u8s8_sym --threads 1,2 --min-seconds 2 --json docs/benchmarks/float_3d_conv/conv3d.json"),
     "per_site": ("kenosis-rewrite bench zoo:MODEL --configs u8s8_pc --threads 1,2 --calibration-samples 16 "
                  "--photos large --min-seconds 2 --json docs/benchmarks/per_site/MODEL.json"),
 }
@@ -48,6 +50,7 @@ SUMMARIES = {
     "zoo": "`python benchmarks/zoo_table.py docs/benchmarks/zoo/*.json`",
 }
 TITLES = {
+    "float_3d_conv": "3-D Convs returned to float on ORT CPU (float-3d-conv)",
     "per_site": "fix() where the guard undoes a rule at the sites that cost fidelity only",
     "fix_without_data": "fix() of a peer's output with no data, against fix(calibration=)",
     "": "fix() on quantize_static's output (seven real models)",

@@ -8,11 +8,12 @@ through :class:`~kenosis_rewrite.graph.dequantize.FloatRegionsPass`: the weights
 dequantized float values and the Q/DQ pairs that only served this Conv go (their neighbours keep
 theirs).
 
-Why (measured, onnxruntime 1.32.0, x86 AVX512-VNNI, one thread, interleaved medians): a 1x11x11
-kernel over [1, 4, 2, 48, 48] runs 10.6 ms as ORT's integer 3-D Conv against 2.7 ms in float; a
-3x3x3 kernel over [1, 16, 8, 32, 32] 5.6 against 5.9 ms at one thread and 8.0 against 7.2 ms at two.
-ORT has no fused integer kernel for 3-D convolutions comparable to its 2-D ones, so the integer form
-never wins by much and loses by up to 4x (a watermark decoder of 1x11x11 Convs: 2.05x FP32 as
+Why (measured, onnxruntime 1.32.0, x86 AVX512-VNNI, interleaved medians; data and command in
+``docs/benchmarks/float_3d_conv/``): two 1x11x11 Conv3D layers over [1, 4, 2, 48, 48] run 10.7 ms as
+ORT's integer 3-D Convs against 2.65 ms in float at one thread (0.25x FP32 as quantized, 0.98x
+after this pass). A 3x3x3 kernel, timed once on a busy host, was within 10% either way at one and
+two threads. ORT has no fused integer 3-D Conv comparable to its 2-D one, so the integer form wins
+little where it wins and loses up to 4x (a watermark decoder of 1x11x11 Convs: 2.05x FP32 as
 quantized, 1.09x after its last Convs were made integer).
 
 Exactness: the Conv computes on the same dequantized values; exact where no Q/DQ pair is removed,
