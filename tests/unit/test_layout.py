@@ -27,8 +27,9 @@ LAYERS = {
     "placement": 5,
     "quantization": 6,
     "benchmark": 7, "testing": 7,
-    "cli": 8,
-    "__main__": 9, "__init__": 9,
+    "batch": 8,
+    "cli": 9,
+    "__main__": 10, "__init__": 10,
 }
 UPSTREAM_PROJECTS = ("onnxscript", "onnx_ir", "onnxruntime", "onnx")
 
