@@ -42,6 +42,8 @@ class FixReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     # {"input": {"cosine": ..., "max_abs": ...}, "fixed": {...}} when fix() was given the float model.
     fidelity: dict | None = None
+    # the run-time guard's measure: {"yardstick": ..., "feeds": ..., "outputs": [{"output", "input", "fixed"}]}
+    guard_fidelity: dict | None = None
     # (rule, site) pairs the rules must leave alone: the sites where the run-time guard undid a rule
     held_sites: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
     # (rule, where) of each change -> the site it was made at (the root node of the rule's match), for
@@ -86,8 +88,19 @@ class FixReport:
         for name, scores in (self.fidelity or {}).items():
             lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, SQNR {scores['sqnr_db']:.1f} dB, "
                          f"max abs {scores['max_abs']:.4g}")
+        lines.extend(self._guard_fidelity_lines())
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _guard_fidelity_lines(self) -> list[str]:
+        if not self.guard_fidelity:
+            return []
+        lines = [f"  fidelity against {self.guard_fidelity['yardstick']}, on {self.guard_fidelity['feeds']}:"]
+        for output in self.guard_fidelity["outputs"]:
+            before, after = output["input"], output["fixed"]
+            lines.append(f"    {output['output']}: mean cosine {before['mean_cosine']:.5f} -> {after['mean_cosine']:.5f}, "
+                         f"worst feed {before['worst_feed_cosine']:.5f} -> {after['worst_feed_cosine']:.5f}")
+        return lines
 
     def _no_changes_line(self) -> str:
         """Why nothing changed, consistent with the lines below it: the guard's undo, candidates left
@@ -111,6 +124,7 @@ class FixReport:
             "refusal_counts": self.refusal_counts(),
             "notes": list(self.notes),
             "fidelity": self.fidelity,
+            "guard_fidelity": self.guard_fidelity,
         }
 
     def to_json(self, indent: int = 2) -> str:

@@ -16,9 +16,18 @@ class ReportingPass(ir.passes.InPlacePass):
         super().__init__()
         self.report = report
 
-    def changed(self, where: str, detail: str, *, exact: bool) -> None:
+    def changed(self, where: str, detail: str, *, exact: bool, site: str | None = None) -> None:
+        """List one change in the report; ``site``: a name for where it was made that stays the same
+        from one fix() to the next, so that the run-time guard can undo this one change alone
+        (:attr:`FixReport.held_sites`, checked with :meth:`held`)."""
         if self.report is not None:
             self.report.changed(self.rule_name, where, detail, exact=exact)
+            if site is not None:
+                self.report.sites.setdefault((self.rule_name, where), site)
+
+    def held(self, site: str) -> bool:
+        """Whether the run-time guard undid this pass at ``site`` (then the pass leaves it alone)."""
+        return self.report is not None and (self.rule_name, site) in self.report.held_sites
 
     def refused(self, where: str, reason: str) -> None:
         if self.report is not None:

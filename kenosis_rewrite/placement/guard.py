@@ -7,10 +7,14 @@ few feeds (the caller's calibration feeds, random ones otherwise), with ONNX Run
   input ran, and every output has the input's shape;
 * **exact**: when every change claims exactness, the outputs equal the input's bit for bit
   (``ORT_DISABLE_ALL``: the graph's own semantics, no kernel substitution);
-* **faithful**: the cosine of every output against a reference drops by at most ``tolerance``
-  compared with the input's (:func:`cosine_floor`; the symmetric int8 conversion that TensorRT/NPU
-  require is held to its own stated bound instead). The reference is the FP32 model when the caller gives it, otherwise
-  the input model without its activation roundings, every clamp kept (:func:`_unrounded_reference`).
+* **faithful**: for every float output, the mean over feeds of its cosine against a yardstick, and
+  its worst feed's cosine, each drop by at most ``tolerance`` (0.002) compared with the input's
+  (:func:`cosine_floor`; the symmetric int8 conversion that TensorRT/NPU require is held to its own
+  stated bound instead). The yardstick is the FP32 model when the caller gives it, otherwise the
+  input model with its activation Q/DQ removed and its weights as they are, keeping only the clamps
+  that stand for an activation the quantizer deleted (:func:`_unrounded_reference`): a rewrite that
+  adds roundings the input did not have (an output quantizer, a merged grid, per-tensor steps) is
+  held to the input's distance from FP32, not to the input's distance from its own unrounded self.
 
 ``fix()`` undoes the rules a failed check points at (see :func:`candidate_undos`) and reports why.
 """
@@ -31,9 +35,12 @@ from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.dequantize import remove_qdq_pair
 from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
 
-__all__ = ["BLIND_COSINE", "DEFAULT_TOLERANCE", "Guard", "candidate_undos", "cosine_floor"]
+__all__ = ["BLIND_COSINE", "DEFAULT_TOLERANCE", "Guard", "OutputFidelity", "candidate_undos", "cosine_floor"]
 
-DEFAULT_TOLERANCE = 0.005
+# the most any output's mean or worst-feed cosine may fall: "fix() never lowers fidelity" measured
+# against FP32 (NNCF outputs given their missing output quantizers lost up to 0.029 under 0.005
+# against the input's unrounded self, issue 55)
+DEFAULT_TOLERANCE = 0.002
 # below this cosine of the input against its own reference on made-up feeds, those feeds do not
 # drive the model the way data does (a text detector's probability map on noise is ~0 everywhere:
 # 0.003-0.05 on PP-OCR's DB detectors), and a cosine measured there says nothing about accuracy
@@ -53,7 +60,23 @@ def cosine_floor(input_cosine: float, rules: set[str] | frozenset[str], toleranc
     if SYMMETRIC_RULE in rules:
         noise *= SYMMETRIC_NOISE_GROWTH
     return 1.0 - noise - tolerance
-_FEEDS = 4
+# the share of the tolerance a site-by-site search may spend: choosing which of many sites to keep
+# on the guard's few feeds fits them (PP-LCNet by NNCF, fix(calibration=16 photos): 25 of 27 folds kept
+# within 0.002 on the guard's feeds cost 0.008 on 40 photos it had not seen)
+SELECTION_MARGIN = 0.5
+_MADE_UP_FEEDS = 4
+_GIVEN_FEEDS = 8  # of the caller's calibration feeds: the worst-feed check needs more than a few
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputFidelity:
+    """One float output's cosines against the yardstick: the mean over feeds and the worst feed's."""
+
+    mean: float
+    worst: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"mean_cosine": self.mean, "worst_feed_cosine": self.worst}
 
 
 def _outputs(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], optimized: bool) -> list[list[np.ndarray]]:
@@ -61,25 +84,43 @@ def _outputs(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], 
     return fidelity.each_run(fidelity.session(model, optimized, at_once), feeds, at_once)
 
 
-def _per_output_cosines(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> list[float]:
-    """Cosine of each float output against the reference, over all feeds together."""
-    cosines = []
+def _fidelities(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> list[OutputFidelity]:
+    """Each float output's cosines against the reference, feed by feed: their mean and the worst
+    (NaN where an output is not finite: it fails every floor)."""
+    found = []
     for index in range(len(reference[0])):
-        ref = [np.asarray(r[index]) for r in reference]
-        if not np.issubdtype(ref[0].dtype, np.floating):
+        if not np.issubdtype(np.asarray(reference[0][index]).dtype, np.floating):
             continue
-        out = [np.asarray(o[index], np.float64).reshape(-1) for o in outputs]
-        cosines.append(fidelity.cosine(np.concatenate([r.reshape(-1) for r in ref]), np.concatenate(out)))
-    return cosines
+        per_feed = [fidelity.cosine(np.asarray(r[index]), np.asarray(o[index])) for r, o in zip(reference, outputs)]
+        worst = float("nan") if any(np.isnan(c) for c in per_feed) else min(per_feed)
+        found.append(OutputFidelity(float(np.mean(per_feed)), worst))
+    return found
+
+
+# a deleted Relu6 leaves a quantizer whose range tops out here
+_RELU6_TOP = 6.0
+
+
+def _deleted_activation_clamp(quantize: ir.Node) -> tuple[float | None, float | None] | None:
+    """The clamp of an activation Q that stands for an activation the quantizer deleted
+    (:func:`value_range.implied_clamp`), without the top of a deleted Relu's range unless it is a
+    Relu6's: that top is a calibrated bound, which FP32 does not have."""
+    clamp = value_range.implied_clamp(quantize)
+    params = qdq_params.quant_params(quantize)
+    if clamp is None or params.scalar_zero_point != params.qmin:
+        return clamp
+    top = clamp[1]
+    keep_top = top is not None and abs(top - _RELU6_TOP) <= float(np.max(params.scale))
+    return clamp[0], (_RELU6_TOP if keep_top else None)
 
 
 def _unrounded_reference(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The input without its activation roundings: each per-tensor activation Q/DQ pair becomes a
-    clamp to the range it represented. Every clamp stays, whether it stands for a deleted
-    activation or a calibrated bound, since the graph cannot tell them apart: a rewrite that drops a
-    deleted Clip then shows as a systematic difference, one that drops a calibrated bound only on
-    the few values beyond it. com.microsoft Q/DQ are read as the standard ones they compute (else a
-    contrib-domain input would be its own reference, and the same model in the default domain not)."""
+    """The yardstick without a float model: the input with its per-tensor activation Q/DQ pairs
+    removed and its weights as they are. A pair that stands for an activation the quantizer deleted
+    leaves that activation's clamp (:func:`_deleted_activation_clamp`); a calibrated bound leaves
+    nothing, so the input's own clipping counts against it as it does against FP32.
+    com.microsoft Q/DQ are read as the standard ones they compute (else a contrib-domain input would
+    be its own reference, and the same model in the default domain not)."""
     copy = ir.serde.deserialize_model(model)
     ContribQDQToStandardPass()(copy)
     names = qdq_params.NameAllocator(copy.graph)
@@ -87,8 +128,12 @@ def _unrounded_reference(model: onnx.ModelProto) -> onnx.ModelProto:
         params = qdq_params.quant_params(node) if qdq_params.is_quantize(node) else None
         if params is None or not params.is_per_tensor or qdq_params.const_array(node.inputs[0]) is not None:
             continue
-        limits = value_range.quantizer_range(params)
-        remove_qdq_pair(node, (limits.lo, limits.hi), names)
+        try:
+            clamp = _deleted_activation_clamp(node)
+        except ValueError:  # parameters it cannot read: the quantizer's whole range, as before
+            limits = value_range.quantizer_range(params)
+            clamp = (limits.lo, limits.hi)
+        remove_qdq_pair(node, clamp, names)
     common_passes.RemoveUnusedNodesPass()(copy)
     return ir.serde.serialize_model(copy)
 
@@ -103,19 +148,19 @@ class Guard:
     tolerance: float = DEFAULT_TOLERANCE
 
     def __post_init__(self) -> None:
-        given = [dict(feed) for feed in self.feeds][:_FEEDS]
+        given = [dict(feed) for feed in self.feeds][:_GIVEN_FEEDS]
         self.given = bool(given)
         # made-up feeds: the dynamic dims at another size where the default size does not run
         sizes = [None] if given or not fidelity.has_dynamic_dims(self.model) else [None, *fidelity.OTHER_DYNAMIC_SIZES]
         self.unavailable = ""
         self.levels_note = ""
         for size in sizes:
-            self.feeds = given or fidelity.random_feeds(self.model, _FEEDS, size=size)
+            self.feeds = given or fidelity.random_feeds(self.model, _MADE_UP_FEEDS, size=size)
             failure = self._run_input()
             if failure is None:
                 self.unavailable = ""
                 runs = self.input_optimized if self.input_optimized is not None else self.input_plain
-                self.input_cosines = _per_output_cosines(self.reference, runs)
+                self.input_fidelity = _fidelities(self.reference, runs)
                 return
             if not self.unavailable:  # the first failure says most (the default sizes)
                 self.unavailable = f"the run-time guard could not run the input model ({failure})"
@@ -143,6 +188,41 @@ class Guard:
             return str(error).splitlines()[0][:200]
         return None
 
+    @property
+    def yardstick(self) -> str:
+        """What the cosines are measured against, in words."""
+        if self.float_model is not None:
+            return "the FP32 model (float_model=)"
+        return "the input with its activation Q/DQ removed, weights as they are (pass float_model= for FP32)"
+
+    @property
+    def input_cosines(self) -> list[float]:
+        """Each float output's mean cosine against the yardstick, for the input model."""
+        return [output.mean for output in self.input_fidelity]
+
+    def fidelity_of(self, model: onnx.ModelProto) -> list[OutputFidelity] | None:
+        """``model``'s per-output cosines against the yardstick on the guard's feeds (None where it
+        cannot run, or the guard has no input to compare with)."""
+        if self.unavailable:
+            return None
+        try:
+            return _fidelities(self.reference, _outputs(model, self.feeds, optimized=self.input_optimized is not None))
+        except Exception:  # noqa: BLE001 - any ORT failure: nothing to report
+            return None
+
+    def fidelity_summary(self, model: onnx.ModelProto) -> dict | None:
+        """What the report says of fidelity: the yardstick, the feeds, and each float output's mean and
+        worst-feed cosine for the input and for ``model`` (None where the guard did not measure)."""
+        after = self.fidelity_of(model)
+        if after is None:
+            return None
+        names = [output.name for output in self.model.graph.output]
+        floats = [name for name, value in zip(names, self.reference[0]) if np.issubdtype(np.asarray(value).dtype, np.floating)]
+        feeds = f"{len(self.feeds)} {'calibration' if self.given else 'made-up'} feeds"
+        outputs = [{"output": name, "input": before.as_dict(), "fixed": now.as_dict()}
+                   for name, before, now in zip(floats, self.input_fidelity, after)]
+        return {"yardstick": self.yardstick, "feeds": feeds, "outputs": outputs}
+
     def blindness(self) -> str | None:
         """Why the guard's cosines say nothing about accuracy on data, or None: the feeds are made up
         (no calibration given) and on them the input itself is far from its reference."""
@@ -154,9 +234,11 @@ class Guard:
                     f"(< {BLIND_COSINE}): those feeds do not drive it the way data does")
         return None
 
-    def violation(self, model: onnx.ModelProto, report: FixReport) -> str | None:
+    def violation(self, model: onnx.ModelProto, report: FixReport, selecting: bool = False) -> str | None:
         """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None.
-        Checked at each optimization level the input runs at."""
+        Checked at each optimization level the input runs at. ``selecting``: the check chooses among
+        many candidates (which sites to keep), so it fits the guard's feeds; half the tolerance then
+        leaves room for the feeds it did not see."""
         if self.unavailable:
             return None
         runs = {}
@@ -178,13 +260,22 @@ class Guard:
                 for a, b in zip(before, after):
                     if not np.array_equal(a, b, equal_nan=True):
                         return "every change claims exactness, yet the outputs differ from the input's"
-        cosines = _per_output_cosines(self.reference, optimized if optimized is not None else plain)
-        rules = {change.rule for change in report.changes}
-        for index, (before, after) in enumerate(zip(self.input_cosines, cosines)):
-            floor = cosine_floor(before, rules, self.tolerance)
-            if after < floor:
-                return (f"output {index}: cosine against the reference fell from {before:.5f} to {after:.5f} "
-                        f"(floor {floor:.5f})")
+        return self._fidelity_violation(_fidelities(self.reference, optimized if optimized is not None else plain),
+                                        {change.rule for change in report.changes},
+                                        self.tolerance * (SELECTION_MARGIN if selecting else 1.0))
+
+    def _fidelity_violation(self, fidelities: list[OutputFidelity], rules: set[str], tolerance: float) -> str | None:
+        """Where an output's mean or worst-feed cosine fell below its floor, or None."""
+        # on feeds that do not drive the model (blindness) one feed's cosine is noise: the mean only
+        judged = 1 if self.blindness() else 2
+        for index, (before, after) in enumerate(zip(self.input_fidelity, fidelities)):
+            for what, was, now in (("mean", before.mean, after.mean), ("worst-feed", before.worst, after.worst))[:judged]:
+                if np.isnan(was):  # the input's own output is not finite there: no fidelity to keep
+                    continue
+                floor = cosine_floor(was, rules, tolerance)
+                if not now >= floor:  # NaN fails
+                    return (f"output {index}: {what} cosine against {self.yardstick} fell from {was:.5f} to {now:.5f} "
+                            f"(floor {floor:.5f})")
         return None
 
 

@@ -166,7 +166,7 @@ def _undone_at_sites(
         pairs = frozenset((rule, site) for site in held - set(chunk))
         loaded, trial_report = _fix_once(model, target, kept_out, output_ranges, pairs)
         after = model_io.in_memory_proto(loaded.model)
-        if after is not None and guard.violation(after, trial_report) is None:
+        if after is not None and guard.violation(after, trial_report, selecting=True) is None:
             held.difference_update(chunk)
             best = (loaded, trial_report, after)
         elif len(chunk) > 1:

@@ -39,7 +39,8 @@ inside the range (half a step of rounding, and up to half a step where the zero 
 moves the grid's end inside the range), and a clamp at its bounds, exact for the saturation
 bounds; through the activation the downstream quantizer's input moves by at most ``L * s`` (``L``
 its slope: HardSwish <= 1.5 on its range, HardSigmoid ``alpha``). ``fix()``'s run-time guard measures the
-result against the input and undoes the pass when it costs more than its tolerance.
+result against FP32 (or the input without its activation roundings) and, where it costs more than
+its tolerance, undoes the quantizers at the sites that cost it (each site is the tensor's name).
 
 Left alone: an op whose output already reaches a Q (directly or through a Relu/Clip), is a graph
 output, or has neither a measured range nor saturation bounds; ops whose data input is not a per-tensor 8-bit DQ.
@@ -190,7 +191,9 @@ def site_range(site: Site, measured: tuple[float, float] | None) -> tuple[float,
     None when there is neither."""
     if site.kind == "input" and measured is None:
         return _concat_union(site.value)
-    bounds = saturation_bounds(site.value) if site.kind == "output" else None
+    # without a measurement, per-channel quantizers' span is the whole grid: the widest channel's
+    # range, far coarser than a narrow channel's step (NNCF's PP-LCNet: -0.009 cosine against FP32)
+    bounds = saturation_bounds(site.value, per_channel=measured is not None) if site.kind == "output" else None
     if bounds is None:
         return None if measured is None else (measured[0], measured[1], "the measured range")
     low, high, why = bounds
@@ -309,9 +312,11 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         graph, modified = model.graph, False
         names = qdq_params.NameAllocator(graph)  # one scan of the graph for every quantizer inserted
         for site in sites(graph):
+            where = site.op.name or site.op.op_type
+            if self.held(site.value.name):  # the guard's own refusal says why
+                continue
             chosen = site_range(site, self.ranges.get(site.value.name))
             if chosen is None:
-                where = site.op.name or site.op.op_type
                 self.refused(where, f"no range measured for its {site.kind} {site.value.name!r} (pass calibration= feeds)")
                 continue
             modified |= self._insert(graph, names, site, *chosen)
@@ -341,7 +346,7 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         for user, index in readers:
             user.replace_input_with(index, dequantize.outputs[0])
         self.changed(site.op.name or site.op.op_type, f"{site.kind} quantizer {like.dtype.name.lower()} s={float(scale):.6g} "
-                     f"zp={zero_point} over [{lo:.4g}, {hi:.4g}], {source}", exact=False)
+                     f"zp={zero_point} over [{lo:.4g}, {hi:.4g}], {source}", exact=False, site=site.value.name)
         if site.kind == "output" and site.value is not site.op.outputs[0]:
             self.after_chains.append((site, quantize, dequantize, self.report.changes[-1] if self.report is not None else None))
         return True

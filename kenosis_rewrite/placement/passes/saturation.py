@@ -262,12 +262,14 @@ def _scalar_affine_after(value: ir.Value) -> tuple[ir.Value, float, float]:
     return value, a, b
 
 
-def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
+def saturation_bounds(value: ir.Value, per_channel: bool = True) -> tuple[float, float, str] | None:
     """``(a, b, why)`` when ``value`` is read only by a saturating activation whose output only
-    quantizers with one set of per-tensor parameters read, directly or through an increasing
+    quantizers read (one set of per-tensor parameters, or per-channel ones: the span of all their
+    channels, :func:`_quantizers_span`), directly or through an increasing
     scalar affine (:func:`_scalar_affine_after`, whose inverse maps their range onto the
     activation's): values of ``value`` outside ``[a, b]`` give those quantizers the codes of ``a``
-    and ``b``, so a grid for ``value`` can stop there."""
+    and ``b``, so a grid for ``value`` can stop there. ``per_channel=False``: per-tensor quantizers
+    only (the widest channel's bounds are a grid far coarser than a narrow channel's step)."""
     activation = saturating_activation(value)
     if activation is None:
         return None
@@ -276,12 +278,10 @@ def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
     readers = [user for user, _ in end.uses()]
     if end.is_graph_output() or not readers or not all(qdq_params.is_quantize(user) for user in readers):
         return None
-    params = [qdq_params.quant_params(user) for user in readers]
-    first = params[0]
-    if any(p is None or not p.is_per_tensor or not p.same_as(first) for p in params):
+    span = _quantizers_span([qdq_params.quant_params(user) for user in readers])
+    if span is None or (not per_channel and span[3] != "a quantizer"):
         return None
-    scale, zero_point = first.scalar_scale, first.scalar_zero_point
-    lo, hi = (first.qmin - zero_point) * scale, (first.qmax - zero_point) * scale
+    lo, hi, scale, what = span
     through = ""
     if end is not output:
         lo, hi = (lo - shift_after) / scale_after, (hi - shift_after) / scale_after
@@ -293,4 +293,27 @@ def saturation_bounds(value: ir.Value) -> tuple[float, float, str] | None:
         return None
     if kind == "LeakyRelu" and max(high, 0.0) - min(low, 0.0) > MAX_SPREAD * (hi - lo):
         return None  # linear below 0 as well: a grid that wide is far coarser than the quantizer it feeds
-    return low, high, f"{kind} then a quantizer over [{lo:.4g}, {hi:.4g}]{through}"
+    return low, high, f"{kind} then {what} over [{lo:.4g}, {hi:.4g}]{through}"
+
+
+def _quantizers_span(params: list) -> tuple[float, float, float, str] | None:
+    """``(lo, hi, step, what)``: the range every one of these quantizers' channels lies within and
+    the finest step among them (one set of per-tensor parameters, or per-channel ones as NNCF puts at
+    depthwise inputs). Beyond the activation's bounds for that span, each channel's codes saturate:
+    the bounds of the widest channel hold for all. None for non-constant parameters or mixed types."""
+    if any(p is None or p.block_size for p in params) or len({p.dtype for p in params}) != 1:
+        return None
+    first = params[0]
+    if all(p.is_per_tensor and p.same_as(first) for p in params):
+        scale, zero_point = first.scalar_scale, first.scalar_zero_point
+        return (first.qmin - zero_point) * scale, (first.qmax - zero_point) * scale, scale, "a quantizer"
+    lows, highs, steps = [], [], []
+    for p in params:
+        scale = np.asarray(p.scale, np.float64).reshape(-1)
+        zero_point = np.asarray(p.zero_point, np.float64).reshape(-1)
+        if scale.size == 0 or not np.all(scale > 0):
+            return None
+        lows.append(float(np.min((p.qmin - zero_point) * scale)))
+        highs.append(float(np.max((p.qmax - zero_point) * scale)))
+        steps.append(float(np.min(scale)))
+    return min(lows), max(highs), min(steps), "per-channel quantizers"

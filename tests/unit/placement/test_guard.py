@@ -6,6 +6,7 @@ import pathlib
 
 import numpy as np
 import onnx
+import pytest
 
 import kenosis_rewrite
 from kenosis_rewrite.core import fidelity
@@ -78,10 +79,10 @@ def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatc
     bad = {wheres[2], wheres[-1]}
     real = guard.Guard.violation
 
-    def rejects_two_sites(self, model, report):
+    def rejects_two_sites(self, model, report, selecting=False):
         if any(c.rule == rule and c.where in bad for c in report.changes):
             return "the output's cosine fell at a chosen site"
-        return real(self, model, report)
+        return real(self, model, report, selecting)
 
     monkeypatch.setattr(guard.Guard, "violation", rejects_two_sites)
     fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
@@ -96,3 +97,95 @@ def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatc
     reference, ours = fidelity.run(qdq, feeds), fidelity.run(fixed, feeds)
     assert [o.shape for o in ours[0]] == [o.shape for o in reference[0]]
     assert fidelity.scores(reference, ours)["cosine"] > 0.99
+
+
+def _two_branch_model(seed: int, costly: str) -> onnx.ModelProto:
+    """Two inputs, each ``Q/DQ -> Conv (int8 per-channel weights) -> Tanh -> output``, no quantizer
+    after either Conv (NNCF's placement). The ``costly`` branch's Conv has one output channel far
+    larger than the others: a per-tensor output quantizer over its range rounds the small channels
+    to zero, which costs that output far more than the guard's budget; the other branch's costs
+    nothing measurable."""
+    rng = np.random.default_rng(seed)
+    channels = int(rng.integers(3, 6))
+    nodes, inits = [], []
+
+    def const(name, array):
+        inits.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+
+    const("sx", np.float32(8 / 255))
+    const("zx", np.uint8(128))
+    for branch in ("a", "b"):
+        weights = rng.integers(-127, 128, (channels, 2, 3, 3)).astype(np.int8)
+        steps = np.full(channels, 0.01, np.float32)
+        if branch == costly:
+            steps[0] = 3.0  # channel 0 dwarfs the others
+        const(f"w{branch}", weights)
+        const(f"s{branch}", steps)
+        const(f"z{branch}", np.zeros(channels, np.int8))
+        nodes += [
+            onnx.helper.make_node("QuantizeLinear", [f"x{branch}", "sx", "zx"], [f"q{branch}"]),
+            onnx.helper.make_node("DequantizeLinear", [f"q{branch}", "sx", "zx"], [f"d{branch}"]),
+            onnx.helper.make_node("DequantizeLinear", [f"w{branch}", f"s{branch}", f"z{branch}"], [f"dw{branch}"], axis=0),
+            onnx.helper.make_node("Conv", [f"d{branch}", f"dw{branch}"], [f"c{branch}"], name=f"conv_{branch}", pads=[1] * 4),
+            onnx.helper.make_node("Tanh", [f"c{branch}"], [f"y{branch}"]),
+        ]
+    graph = onnx.helper.make_graph(
+        nodes, "two_branches",
+        [onnx.helper.make_tensor_value_info(f"x{b}", onnx.TensorProto.FLOAT, [1, 2, 8, 8]) for b in "ab"],
+        [onnx.helper.make_tensor_value_info(f"y{b}", onnx.TensorProto.FLOAT, [1, channels, 8, 8]) for b in "ab"],
+        inits)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_added_quantizer_that_costs_one_output_more_than_the_budget_is_undone_at_that_site_only(seed):
+    costly = "ab"[seed % 2]
+    cheap = "ba"[seed % 2]
+    qdq = _two_branch_model(seed, costly)
+    rng = np.random.default_rng(100 + seed)
+    feeds = [{f"x{b}": rng.uniform(-2, 2, (1, 2, 8, 8)).astype(np.float32) for b in "ab"} for _ in range(8)]
+    _, unguarded = kenosis_rewrite.fix(qdq, calibration=feeds, return_report=True, verify=False)
+    assert {c.where for c in unguarded.changes if c.rule == "quantize-weighted-outputs"} == {"conv_a", "conv_b"}
+
+    fixed, report = kenosis_rewrite.fix(qdq, calibration=feeds, return_report=True)
+
+    added = [c for c in report.changes if c.rule == "quantize-weighted-outputs"]
+    assert [c.where for c in added] == [f"conv_{cheap}"]
+    undone = [r for r in report.refusals if r.rule == "quantize-weighted-outputs" and "at this site" in r.reason]
+    assert [r.where for r in undone] == [f"conv_{costly}"]
+    assert "worst-feed cosine" in undone[0].reason or "mean cosine" in undone[0].reason
+    # node by node: one quantizer more than the input, reading the cheap branch's Conv
+    quantizers = [n for n in fixed.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(quantizers) == 3 and {n.input[0] for n in quantizers} == {"xa", "xb", f"c{cheap}"}
+    # numbers: the costly branch is the input's, bit for bit; the cheap one within the budget on every
+    # feed against FP32 (the yardstick here: the input without its activation roundings)
+    names = [o.name for o in qdq.graph.output]
+    index_costly, index_cheap = names.index(f"y{costly}"), names.index(f"y{cheap}")
+    float_model = guard._unrounded_reference(qdq)
+    for feed in feeds:
+        before, after = outputs(qdq, feed, optimized=False), outputs(fixed, feed, optimized=False)
+        np.testing.assert_array_equal(before[index_costly], after[index_costly])
+        reference = outputs(float_model, feed, optimized=False)[index_cheap]
+        assert fidelity.cosine(reference, after[index_cheap]) >= fidelity.cosine(reference, before[index_cheap]) - 0.002
+    assert report.guard_fidelity is not None and len(report.guard_fidelity["outputs"]) == 2
+    onnx.checker.check_model(fixed, full_check=True)
+
+
+def test_the_report_says_which_yardstick_held_the_rewrite_and_the_fidelity_before_and_after():
+    qdq = _two_branch_model(0, "a")
+    rng = np.random.default_rng(7)
+    feeds = [{f"x{b}": rng.uniform(-2, 2, (1, 2, 8, 8)).astype(np.float32) for b in "ab"} for _ in range(4)]
+    float_model = guard._unrounded_reference(qdq)  # what the QDQ model computes in float: its FP32 here
+    for given, yardstick in ((None, "the input with its activation Q/DQ removed"), (float_model, "the FP32 model")):
+        _, report = kenosis_rewrite.fix(qdq, calibration=feeds, float_model=given, return_report=True)
+        summary = report.guard_fidelity
+        assert summary["yardstick"].startswith(yardstick) and summary["feeds"] == "4 calibration feeds"
+        assert [o["output"] for o in summary["outputs"]] == ["ya", "yb"]
+        for output in summary["outputs"]:
+            for key in ("input", "fixed"):
+                assert 0.9 < output[key]["worst_feed_cosine"] <= output[key]["mean_cosine"] <= 1.0 + 1e-9
+            assert output["fixed"]["mean_cosine"] >= output["input"]["mean_cosine"] - guard.DEFAULT_TOLERANCE
+        text = str(report)
+        assert f"fidelity against {summary['yardstick']}, on 4 calibration feeds:" in text
+        assert "ya: mean cosine" in text and "worst feed" in text
+        assert report.to_dict()["guard_fidelity"] == summary

@@ -148,3 +148,56 @@ def test_a_prelu_bound_holds_for_every_channel_slope_of_either_sign(zero_point):
         at_bound = _codes(np.float32(slope) * np.float32(a), scale, zero_point, qmin, qmax)
         assert np.all(_codes(np.float32(slope) * below, scale, zero_point, qmin, qmax) == at_bound)
     assert np.all(_codes(np.float32(b) + np.geomspace(1e-4, 1e4, 200).astype(np.float32), scale, zero_point, qmin, qmax) == qmax)
+
+
+def _conv_hardswish_per_channel(scales: np.ndarray, zero_points: np.ndarray) -> onnx.ModelProto:
+    """``DQ -> Conv -> HardSwish -> Q/DQ (per channel, NNCF at a depthwise input) -> depthwise Conv``."""
+    channels = len(scales)
+    rng = np.random.default_rng(1)
+    inits = [
+        helper.make_tensor("sx", TensorProto.FLOAT, [], [0.02]), helper.make_tensor("zx", TensorProto.UINT8, [], [128]),
+        numpy_helper.from_array(rng.integers(-127, 128, (channels, 2, 3, 3)).astype(np.int8), "w"),
+        numpy_helper.from_array(np.full(channels, 0.02, np.float32), "ws"),
+        numpy_helper.from_array(np.zeros(channels, np.int8), "wz"),
+        numpy_helper.from_array(scales.astype(np.float32), "sa"), numpy_helper.from_array(zero_points.astype(np.uint8), "za"),
+        numpy_helper.from_array(rng.integers(-127, 128, (channels, 1, 3, 3)).astype(np.int8), "dw"),
+        numpy_helper.from_array(np.full(channels, 0.01, np.float32), "dws"),
+        numpy_helper.from_array(np.zeros(channels, np.int8), "dwz"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0),
+        helper.make_node("Conv", ["xd", "wd"], ["c"], pads=[1] * 4, name="conv"), helper.make_node("HardSwish", ["c"], ["h"]),
+        helper.make_node("QuantizeLinear", ["h", "sa", "za"], ["hq"], axis=1),
+        helper.make_node("DequantizeLinear", ["hq", "sa", "za"], ["hd"], axis=1),
+        helper.make_node("DequantizeLinear", ["dw", "dws", "dwz"], ["dwd"], axis=0),
+        helper.make_node("Conv", ["hd", "dwd"], ["y"], pads=[1] * 4, group=channels),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, 6, 6])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_channel_quantizers_after_a_hardswish_bound_a_measured_range_by_their_widest_channel(seed):
+    """Beyond the span of every channel's range each channel's code saturates: the measured range
+    is clipped there (exact); without data that span alone is no grid (too coarse for narrow channels)."""
+    import onnx_ir as ir
+
+    from kenosis_rewrite.placement.passes import output_quantizers
+
+    rng = np.random.default_rng(seed)
+    channels = int(rng.integers(2, 6))
+    scales = np.exp(rng.uniform(np.log(0.005), np.log(0.1), channels))
+    zero_points = rng.integers(0, 60, channels)
+    model = ir.serde.deserialize_model(_conv_hardswish_per_channel(scales, zero_points))
+    [site] = output_quantizers.sites(model.graph)
+    top = float(np.max((255 - zero_points) * scales.astype(np.float32)))
+    lo, hi, why = output_quantizers.site_range(site, (-40.0, 45.0))
+    assert (lo, hi) == (-3.0, pytest.approx(top, rel=1e-6)) and "per-channel quantizers" in why
+    assert output_quantizers.site_range(site, None) is None
+    # soundness, channel by channel: every value above hi gives each channel the code of hi
+    above = np.concatenate([hi + np.geomspace(1e-4, 1e3, 200), [hi]])
+    for scale, zero_point in zip(scales, zero_points):
+        codes = _codes(_f32("HardSwish", above), scale, int(zero_point), 0, 255)
+        assert np.all(codes == codes[-1])
