@@ -52,6 +52,7 @@ SUMMARIES = {
 TITLES = {
     "float_3d_conv": "3-D Convs returned to float on ORT CPU (float-3d-conv)",
     "per_site": "fix() where the guard undoes a rule at the sites that cost fidelity only",
+    "fleet": "Batch engines on one machine: --engine local against --engine ray",
     "fix_without_data": "fix() of a peer's output with no data, against fix(calibration=)",
     "": "fix() on quantize_static's output (seven real models)",
     "zoo": "Every zoo model: quantize() against quantize_static, NNCF, INC and Quark",

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.accuracy.layer_matching import first_input_readers, float_counterpart
+from kenosis_rewrite.accuracy.layer_matching import first_input_readers, float_counterpart, same_weights
 from kenosis_rewrite.core import fidelity, model_io, ort_sessions
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import KenosisError
@@ -44,6 +44,8 @@ class LayerSensitivity:
     weight_snr_db: float
     output_sqnr_db: float
     local_sqnr_db: float
+    # the FP32 model's weights and bias of this layer, where they are the ones quantized (not folded since)
+    float_weight: tuple[np.ndarray, np.ndarray | None] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def score_db(self) -> float:
@@ -119,9 +121,26 @@ def analyze(float_model: model_io.ModelLike, quantized: model_io.ModelLike,
         in_sqnr = _series_sqnr(reference.get(source), quantized_values.get(node.inputs[0].name))
         results.append(LayerSensitivity(
             node.name or node.outputs[0].name, node.op_type, _weight_snr(node, original, float_weights),
-            out_sqnr, _local_db(in_sqnr, out_sqnr),
+            out_sqnr, _local_db(in_sqnr, out_sqnr), _float_weight(node, original, float_weights),
         ))
     return results
+
+
+# weight rounding moves a weight by a step or two: still the layer quantized, not one folded since
+_SAME_LAYER_STEPS = 4.0
+
+
+def _float_weight(node: ir.Node, original: onnx.NodeProto, float_weights: dict) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """``original``'s FP32 weights and bias (None without one) where ``node``'s dequantized weights are
+    those weights rounded (within a few steps)."""
+    dq = node.inputs[1].producer() if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if not qdq_params.is_dequantize(dq) or qdq_params.const_array(dq.inputs[0]) is None or qdq_params.quant_params(dq) is None:
+        return None
+    if not same_weights(dq, original, float_weights, steps=_SAME_LAYER_STEPS):
+        return None
+    bias = float_weights.get(original.input[2]) if len(original.input) > 2 else None
+    return (onnx.numpy_helper.to_array(float_weights[original.input[1]]),
+            None if bias is None else onnx.numpy_helper.to_array(bias))
 
 
 def _series_sqnr(reference: list | None, candidate: list | None) -> float:
@@ -165,11 +184,13 @@ def _output_quantizers(node: ir.Node) -> list[ir.Node]:
 
 
 def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = None,
-              reasons: Mapping[str, str] | None = None) -> int:
+              reasons: Mapping[str, str] | None = None, float_weights: Mapping[str, np.ndarray | None] | None = None) -> int:
     """Return the named layers to FP32: float weights, unquantized input and output.
 
-    The Q/DQ pairs on the layer's input and output are removed even when a neighbour then loses
-    its integer kernel: fidelity first; the report says which layers, and the benchmark what it costs.
+    ``float_weights``: the FP32 model's weights per layer name (:attr:`LayerSensitivity.float_weight`);
+    a layer without them keeps its dequantized weights (their rounding error stays). The Q/DQ pairs
+    on the layer's input and output are removed even when a neighbour then loses its integer kernel:
+    fidelity first; the report says which layers, and the benchmark what it costs.
     """
     wanted, count = set(names), 0
     fresh = qdq_params.NameAllocator(model.graph)
@@ -177,6 +198,7 @@ def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = 
         if node.name not in wanted or node.op_type not in qdq_params.WEIGHTED_OPS:
             continue
         dequantize_constants(node, model.graph, names=fresh)
+        _restore_float_parameters(model.graph, node, (float_weights or {}).get(node.name), fresh)
         dq = node.inputs[0].producer() if node.inputs[0] is not None else None
         if qdq_params.is_dequantize(dq) and qdq_params.is_quantize(dq.inputs[0].producer()):
             remove_qdq_pair(dq.inputs[0].producer(), names=fresh)
@@ -187,6 +209,17 @@ def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = 
             report.changed(RULE_NAME, node.name, (reasons or {}).get(node.name, "kept in FP32"), exact=False)
     remove_unused_nodes(model)
     return count
+
+
+def _restore_float_parameters(graph: ir.Graph, node: ir.Node, original: tuple | None, names: qdq_params.NameAllocator) -> None:
+    """``node`` (its constants dequantized) reads the FP32 model's weight and bias where they fit."""
+    for index, values in enumerate(original or (), start=1):
+        current = node.inputs[index] if len(node.inputs) > index else None
+        if values is None or current is None or current.const_value is None or tuple(current.const_value.shape) != values.shape:
+            continue
+        name = names.fresh(f"{node.name}_fp32_{'weight' if index == 1 else 'bias'}")
+        tensor = ir.tensor(values.astype(current.const_value.dtype.numpy()), name=name)
+        node.replace_input_with(index, qdq_params.add_initializer(graph, tensor, name))
 
 
 def _cosine(reference: list[list[np.ndarray]], proto: onnx.ModelProto, feeds) -> float:
@@ -225,6 +258,7 @@ def select_fp32_layers(
     }
     chosen: list[str] = []
     note = None
+    weights = {layer.name: layer.float_weight for layer in analysis}
     if threshold_db is not None:
         chosen = [layer.name for layer in ranked if layer.score_db < threshold_db]
     if target_cosine is not None:
@@ -235,7 +269,7 @@ def select_fp32_layers(
         def cosine_with(count: int) -> float:
             if count not in measured:
                 copy = ir.serde.deserialize_model(ir.serde.serialize_model(quantized))
-                keep_fp32(copy, sorted(set(chosen) | {layer.name for layer in ranked[:count]}))
+                keep_fp32(copy, sorted(set(chosen) | {layer.name for layer in ranked[:count]}), float_weights=weights)
                 measured[count] = _cosine(reference, ir.serde.serialize_model(copy), feeds)
             return measured[count]
 

@@ -512,6 +512,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="OUT", help="write the result as JSON")
     parser.add_argument("--markdown", metavar="OUT", help="write the markdown table to a file")
     parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML report")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a bar over the steps on stderr (default: on a terminal, not in CI)")
     return parser
 
 
@@ -527,6 +529,24 @@ def _progress_printer(stream=sys.stderr) -> Callable[[str], None]:
         print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=stream, flush=True)
 
     return say
+
+
+def _progress_reporter(wanted: bool | None) -> tuple[Callable[[str], None] | None, Callable[[], None]]:
+    """``run_bench``'s progress and what closes it: a tqdm bar whose steps are its messages (on a
+    terminal and not in CI, unless ``wanted`` says otherwise), timed lines without tqdm, or None."""
+    from kenosis_rewrite.core.progress import progress_bar, progress_default  # noqa: PLC0415
+
+    if not (progress_default() if wanted is None else wanted):
+        return None, lambda: None
+    bar = progress_bar(True, description="bench", unit="step", leave=False)
+    if bar is None:
+        return _progress_printer(), lambda: None
+
+    def say(message: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(message[:60], refresh=True)
+
+    return say, bar.close
 
 
 def bench_main(argv: Sequence[str] | None = None) -> int:
@@ -545,12 +565,13 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
         print("kenosis-rewrite bench: error: --threads and --runs must be >= 1, --warmup, --streams and --retries >= 0",
               file=sys.stderr)
         return 2
+    say, close = _progress_reporter(args.progress)
     try:
         result = run_bench(
             args.model, configs, threads=threads[0], runs=args.runs, warmup=args.warmup,
             calibration_samples=args.calibration_samples, include_fix=not args.no_fix,
             streams=args.streams, stream_seconds=args.stream_seconds, cache_dir=args.cache_dir,
-            progress=_progress_printer() if sys.stderr.isatty() else None,
+            progress=say,
             include_latency=args.latency, include_quantize=args.quantize, min_seconds=args.min_seconds,
             retries=args.retries, peers=tuple(p for p in args.peers.split(",") if p.strip()),
             also_threads=tuple(threads[1:]), photos=args.photos,
@@ -558,6 +579,8 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
     except (KenosisError, OSError) as error:
         print(f"kenosis-rewrite bench: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        close()
     markdown = result.to_markdown()
     print(markdown, end="")
     for path, text in ((args.json, result.to_json()), (args.markdown, markdown), (args.html, result.to_html())):

@@ -17,7 +17,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -28,6 +27,7 @@ import onnxruntime as ort
 
 from kenosis_rewrite.calibration.histogram import METHODS, PercentileTails, StreamingHistogram, range_from_histogram
 from kenosis_rewrite.core import fidelity, model_io, ort_sessions
+from kenosis_rewrite.core.progress import progress_bar, progress_default
 from kenosis_rewrite.errors import CalibrationError
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "collect_histograms",
     "collect_ranges",
     "calibrated_tensors",
+    "progress_bar",
+    "progress_default",
     "model_hash",
     "quantize_with_ranges",
 ]
@@ -55,7 +57,6 @@ _TASK_BYTES = 4 << 20
 # 107) and gives the same percentile range, without ever measuring it again
 _TAILS_FROM_BYTES = 128 << 10
 _FORMAT = "kenosis-calibration/1"
-
 
 
 @dataclasses.dataclass
@@ -272,16 +273,8 @@ def _length(feeds: FeedSource) -> int | None:
 
 
 def _progress(iterable: Iterable, progress: bool | None, total: int | None, description: str) -> Iterable:
-    """Wrap ``iterable`` in a tqdm bar when asked, or by default when stderr is a terminal."""
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=description, unit="sample", leave=False)
+    bar = progress_bar(progress, iterable, total=total, description=description)
+    return iterable if bar is None else bar
 
 
 Observer = Callable[[Mapping[str, np.ndarray]], Union[Iterable[Callable[[], None]], None]]
@@ -510,6 +503,7 @@ def collect_ranges(
     ``borrowed`` likewise. ``extremes``: tensors whose range is their exact min/max whatever the
     method (:mod:`~kenosis_rewrite.calibration.output_extremes`; not with ``cache`` either). With any
     of these three the result's ``model_sha256`` is empty: saved, it matches no model as a cache.
+    ``progress=True``: a tqdm bar over the samples (none unless asked; the command line asks on a terminal).
     """
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; known: {METHODS}")

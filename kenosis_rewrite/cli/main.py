@@ -5,14 +5,16 @@
     kenosis-rewrite explain MODEL.onnx [--json]
     kenosis-rewrite profile MODEL.onnx [--runs N]
     kenosis-rewrite quantize FP32.onnx OUT.onnx [--calibration PATH|synthetic] [--per-tensor] [--fidelity COS]
+        [--validate FILE.py:FUNCTION --max-drop D]
     kenosis-rewrite quantize-weights FP32.onnx OUT.onnx [--bits 4] [--block-size 32] [--asymmetric] [--rtn]
     kenosis-rewrite bench MODEL.onnx|zoo:NAME [--peers nncf,inc,quark] [--threads 1,2] [...]
     kenosis-rewrite peers list | install NAME
 
 fix, quantize, quantize-weights and bench also take a folder or a .txt list of models instead of one
-model (the output is then a folder; bench takes --out DIR): --jobs N worker processes, --force,
---shard I/N; see :mod:`kenosis_rewrite.cli.batch`. Models over 2 GB are read and written with external
-data (``OUT.onnx.data`` next to ``OUT.onnx``).
+model (the output is then a folder; bench takes --out DIR): --engine local|ray, --jobs N, --force,
+--ray-address ADDR; see :mod:`kenosis_rewrite.cli.batch`. Models over 2 GB are read and written with
+external data (``OUT.onnx.data`` next to ``OUT.onnx``). quantize, bench and the batch commands show
+progress bars on a terminal (not when piped or with ``CI`` set; ``--progress``/``--no-progress``).
 
 Exit codes: 0 success, 1 the input was refused (a KenosisError; the message says why),
 2 bad command line.
@@ -27,6 +29,7 @@ import onnx
 
 from kenosis_rewrite.cli.batch import BATCH_COMMANDS, batch_main, is_batch_input
 from kenosis_rewrite.core.model_io import save
+from kenosis_rewrite.core.progress import progress_default
 from kenosis_rewrite.errors import KenosisError
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
@@ -82,12 +85,18 @@ def _quantize(args: argparse.Namespace) -> int:
     from kenosis_rewrite.quantization.pipeline import quantize  # noqa: PLC0415
 
     calibration = None if args.calibration in (None, "synthetic") else args.calibration
+    validate = None
+    if args.validate is not None:
+        from kenosis_rewrite.quantization.accuracy_control import load_metric  # noqa: PLC0415
+
+        validate = load_metric(args.validate)
     model, report = quantize(
         args.input, calibration, per_channel=args.per_channel, target=args.target,
         calibration_samples=args.samples, calibration_method=args.method, target_cosine=args.fidelity,
         snr_threshold_db=args.snr_threshold, optimize_for=args.optimize_for, return_report=True,
         bias_correction=not args.no_bias_correction, share_concat_ranges=not args.separate_concat_ranges,
-        compare_quantize_static=args.compare_quantize_static,
+        compare_quantize_static=args.compare_quantize_static, validate=validate, max_drop=args.max_drop,
+        progress=args.progress if args.progress is not None else progress_default(),
     )
     save(model, args.output)
     if args.report:
@@ -197,6 +206,12 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--report", action="store_true")
     quant.add_argument("--compare-quantize-static", action="store_true",
                        help="also report the fidelity of quantize_static's own model (one more model to run)")
+    quant.add_argument("--validate", metavar="FILE.py:FUNCTION", default=None,
+                       help="your metric, FUNCTION(model: onnx.ModelProto) -> float, higher is better (or MODULE:FUNCTION)")
+    quant.add_argument("--max-drop", type=float, default=None,
+                       help="with --validate: how much of the metric quantization may cost; layers return to FP32 until it holds")
+    quant.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="a bar over quantize()'s stages (default: on a terminal, not in CI)")
     quant.set_defaults(handler=_quantize)
     weights = commands.add_parser("quantize-weights", help="weight-only int4/int8 MatMul/Gemm weights (MatMulNBits)")
     weights.add_argument("input", help="float .onnx model (any size; external data is read one weight at a time)")

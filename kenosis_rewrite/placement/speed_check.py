@@ -6,9 +6,9 @@ decoder went from 2.05x to 1.09x FP32 when fix() made its last Convs integer). S
 run-time guard has accepted a rewrite, the input and the output are timed on one feed, one thread,
 interleaved (warm-up, medians), when the input runs in ``MIN_MS`` to ``MAX_MS`` (below, timing noise
 outweighs any kernel choice; above, the check costs more than it is worth). An output slower than the
-input by more than ``SLOWER`` is not returned: the rules that changed it are undone one at a time
-(latest first) until the result is not slower, else the input comes back unchanged; the report says
-what was measured.
+input by more than ``SLOWER``, in each of ``CONFIRMATIONS`` measurements, is not returned: the rules
+that changed it are undone one at a time (latest first) until the result is not slower, else the
+input comes back unchanged; the report says what was measured.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kenosis_rewrite.core import interleaved_timing
 MIN_MS, MAX_MS = 2.0, 100.0  # input latencies where a timing check is both meaningful and cheap
 SLOWER = 1.15  # output median over input median beyond which the output counts as slower
 _SECONDS = 0.25  # timed seconds per model in one comparison
+CONFIRMATIONS = 2  # measurements that must each find the output slower
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -45,14 +46,19 @@ def worth_timing(latency_ms: float | None) -> bool:
 
 
 def slower(before: onnx.ModelProto, after: onnx.ModelProto, feed: Mapping[str, np.ndarray]) -> str | None:
-    """Why ``after`` is slower than ``before`` on ``feed`` (medians, interleaved), or None."""
+    """Why ``after`` is slower than ``before`` on ``feed`` (medians, interleaved), or None. A verdict of
+    slower is measured twice, both must say so: on a busy host one measurement's noise passed
+    ``SLOWER`` and made fix() of the same model differ from one run to the next."""
     try:
         sessions = {name: interleaved_timing.session(model.SerializeToString(), 1)
                     for name, model in (("input", before), ("output", after))}
-        samples = interleaved_timing.interleaved_samples(sessions, feed, warmup=3, runs=7, min_seconds=_SECONDS)
+        measured = []
+        for _ in range(CONFIRMATIONS):
+            samples = interleaved_timing.interleaved_samples(sessions, feed, warmup=3, runs=7, min_seconds=_SECONDS)
+            input_ms, output_ms = _median_ms(samples["input"]), _median_ms(samples["output"])
+            if output_ms <= SLOWER * input_ms:
+                return None
+            measured.append(f"{input_ms:.2f} -> {output_ms:.2f} ms")
     except Exception:  # noqa: BLE001 - timing is advice; the guard has already run both models
         return None
-    input_ms, output_ms = _median_ms(samples["input"]), _median_ms(samples["output"])
-    if output_ms <= SLOWER * input_ms:
-        return None
-    return f"the output ran slower than the input ({input_ms:.2f} -> {output_ms:.2f} ms, 1 thread, interleaved medians)"
+    return f"the output ran slower than the input ({'; '.join(measured)}, 1 thread, interleaved medians)"

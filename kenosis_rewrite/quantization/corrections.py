@@ -31,6 +31,7 @@ from kenosis_rewrite.placement.passes.output_quantizers import RULE_NAME as OUTP
 from kenosis_rewrite.placement.passes.requantize_after_movement import RULE_NAME as REQUANTIZE_AFTER_DATA_MOVEMENT
 from kenosis_rewrite.placement.pipeline import _latency_placement
 from kenosis_rewrite.placement.rules.integer_matmul_bias import RULE_NAME as INTEGER_MATMUL_BIAS
+from kenosis_rewrite.quantization.accuracy_control import hold_metric
 from kenosis_rewrite.quantization.calibration_stage import Calibrated
 from kenosis_rewrite.quantization.configuration import Configuration
 from kenosis_rewrite.quantization.graph_preparation import QuantizableGraph, mark_deleted_activations, unmark
@@ -105,7 +106,7 @@ def _fp32_fallbacks(model: ir.Model, proto: onnx.ModelProto, feeds: list[dict], 
     chosen, analysis, reasons, unreached = sensitivity.select_fp32_layers(
         proto, model, feeds, threshold_db=settings.snr_threshold_db, target_cosine=settings.target_cosine
     )
-    sensitivity.keep_fp32(model, chosen, report, reasons)
+    sensitivity.keep_fp32(model, chosen, report, reasons, {layer.name: layer.float_weight for layer in analysis})
     report.note(f"sensitivity: {len(chosen)} of {len(analysis)} layers kept in FP32")
     if unreached:
         report.note(f"sensitivity: {unreached}")
@@ -117,6 +118,8 @@ def finished(model: ir.Model, graph: QuantizableGraph, config: Configuration, fe
     """The steps after the corrections; the model, its proto and its outputs on the fidelity feeds."""
     if settings.snr_threshold_db is not None or settings.target_cosine is not None:
         _fp32_fallbacks(model, graph.proto, feeds, settings, report)
+    if settings.validate is not None:
+        hold_metric(float_runs.model, graph.proto, model, feeds, settings.validate, settings.max_drop, report)
     CleanupPass()(model)
     if settings.optimize_for == "latency":
         _latency_placement(model, report, feeds, settings.latency_budget_s, 1)

@@ -30,9 +30,10 @@ Every decision is in the returned :class:`FixReport`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -44,9 +45,11 @@ from kenosis_rewrite.accuracy.weight_rounding import FactorsInBackground
 from kenosis_rewrite.core import fidelity, model_io
 from kenosis_rewrite.core.gc_freeze import caller_objects_frozen
 from kenosis_rewrite.core.ort_quantize import quiet_logger
+from kenosis_rewrite.core.progress import progress_bar
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import KenosisError, ModelTooLargeError, one_line
 from kenosis_rewrite.quantization import corrections
+from kenosis_rewrite.quantization.accuracy_control import check_metric_options
 from kenosis_rewrite.quantization.calibration_stage import Calibrated, calibrate, calibration_feeds
 from kenosis_rewrite.quantization.configuration import Configuration, configure
 from kenosis_rewrite.quantization.graph_preparation import canonical_graph, quantizable_graph
@@ -79,6 +82,9 @@ def quantize(
     share_concat_ranges: bool = True,
     compare_quantize_static: bool = False,
     return_report: bool = False,
+    progress: bool = False,
+    validate: Callable[[onnx.ModelProto], float] | None = None,
+    max_drop: float | None = None,
 ):
     """Quantize an FP32 model for ``target`` and return a fixed, protected QDQ model.
 
@@ -133,6 +139,15 @@ def quantize(
             checked on and report its fidelity beside the result's (``report.fidelity["quantize_static"]``).
             Off by default: a second quantized model's session and runs (EfficientNet-Lite0: 0.3 of
             2.7 s), which the model returned does not need.
+        validate: the user's metric, ``fn(model: onnx.ModelProto) -> float`` (higher is better), with
+            ``max_drop``: the quantized model must score at least ``fn(float_model) - max_drop``;
+            where it does not, the fewest layers the SNR sensitivity ranks weakest return to FP32
+            (:mod:`kenosis_rewrite.quantization.accuracy_control`, which also makes ready-made metrics:
+            top-1 agreement, box F1, map IoU, CTC lines against FP32). The report gives the scores, the
+            evaluations spent and the speed it cost.
+        max_drop: how much of ``validate``'s score quantization may cost (with ``validate``).
+        progress: a tqdm bar over the stages below (needs tqdm, the ``progress`` extra; the command
+            line shows it on a terminal). Silent by default.
 
     Returns:
         The model (same kind as given; a path gives a ModelProto), or ``(model, FixReport)``.
@@ -144,18 +159,52 @@ def quantize(
         target_cosine=target_cosine, optimize_for=optimize_for, latency_budget_s=latency_budget_s, seed=seed,
         canonicalize=canonicalize, bias_correction=bias_correction, weight_rounding=weight_rounding,
         equalization=equalization, plan=plan, share_concat_ranges=share_concat_ranges,
-        compare_quantize_static=compare_quantize_static)
+        compare_quantize_static=compare_quantize_static, validate=validate, max_drop=max_drop)
+    with _stages(progress) as stage:
+        return _quantize(float_model, settings, stage, return_report)
+
+
+_STAGES = ("load", "calibration feeds", "prepare", "quantizable graph", "configure", "calibrate",
+           "quantize_static", "fix", "corrections", "fidelity")
+
+
+@contextlib.contextmanager
+def _stages(enabled: bool) -> Iterator[Callable[[str], None]]:
+    """``stage(name)``, called as each of ``_STAGES`` starts: a bar's step when ``enabled``, else nothing."""
+    bar = progress_bar(enabled, total=len(_STAGES), description="quantize", unit="stage")
+
+    def stage(name: str) -> None:
+        if bar is not None:
+            bar.update(_STAGES.index(name) - bar.n)
+            bar.set_postfix_str(name, refresh=True)
+
+    try:
+        yield stage
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _quantize(float_model: model_io.ModelLike, settings: QuantizeSettings, stage: Callable[[str], None],
+              return_report: bool):
+    """quantize()'s body, calling ``stage`` as each stage starts."""
+    stage("load")
     loaded = _loaded_float_model(float_model, settings)
     original = ir.serde.serialize_model(loaded.model)
-    report = FixReport(target=target)
-    feeds, source = calibration_feeds(original, calibration, calibration_samples, seed)
+    report = FixReport(target=settings.target)
+    stage("calibration feeds")
+    feeds, source = calibration_feeds(original, settings.calibration, settings.calibration_samples, settings.seed)
     report.note(f"calibration: {source}")
     # the model as given on the calibration feeds: prepare() verifies against these runs, the final
     # fidelity reuses them
     float_runs = fidelity.ReferenceRuns(original, feeds)
+    stage("prepare")
     prepared, maxima = canonical_graph(original, loaded.model, feeds, float_runs, settings, report)
+    stage("quantizable graph")
     graph = quantizable_graph(prepared, feeds, maxima, settings, report)
+    stage("configure")
     config = configure(graph.proto, graph.protected_graph, graph.per_channel, settings, report)
+    stage("calibrate")
     calibrated = calibrate(graph, config, feeds, settings, report)
     # the final fidelity's runs of the model as given, on the core quantize_static's Python leaves
     # idle (started later, they took a core from bias correction's probe); float_runs is the worker's
@@ -163,18 +212,22 @@ def quantize(
     # and weight rounding's factors of H^-1, which need only the gathered moments (LAPACK, no GIL)
     layer_inputs = calibrated.layer_inputs
     factors = FactorsInBackground(layer_inputs) if layer_inputs is not None else None
+    stage("quantize_static")
     qdq = _quantize_static(calibrated, config)
     # quantize_static's own runs (when compared) after those, on the idle core while the passes
     # below hold the other with Python; float_runs is the worker's until then
-    compared = qdq if compare_quantize_static else None
+    compared = qdq if settings.compare_quantize_static else None
     plain_runs = fidelity.Background(functools.partial(corrections.plain_runs, float_runs, compared))
+    stage("fix")
     model = corrections.placed(qdq, graph, config, settings, report)
+    stage("corrections")
     started = corrections.start_corrections(model, graph, calibrated, feeds, float_runs, factors, settings, report)
     finish = functools.partial(corrections.finished, graph=graph, config=config, feeds=feeds, float_runs=float_runs,
                                settings=settings, report=report)
     # against the model as given: canonicalization is part of what the user gets
     expected, plain = plain_runs.result()
     model, out, runs = corrections.checked_corrections(model, started, expected, finish, report)
+    stage("fidelity")
     _report_fidelity(report, expected, plain, runs, settings)
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result
@@ -185,6 +238,7 @@ def _loaded_float_model(float_model: model_io.ModelLike, settings: QuantizeSetti
     loaded = model_io.load(float_model, require_qdq=False)
     model_io.check_float(loaded.model, "quantize()")
     sensitivity.check_target_cosine(settings.target_cosine)  # before the work, not after it
+    check_metric_options(settings.validate, settings.max_drop)
     if loaded.large:
         raise ModelTooLargeError(
             "quantize() calibrates activations by running the whole model in ONNX Runtime and quantizes it "

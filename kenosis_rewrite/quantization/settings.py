@@ -37,6 +37,8 @@ class QuantizeSettings:
     plan: str = "auto"
     share_concat_ranges: bool = True
     compare_quantize_static: bool = False
+    validate: object = None  # the user's metric, model -> float (quantization.accuracy_control)
+    max_drop: float | None = None
 
     @property
     def self_calibrated(self) -> bool:
