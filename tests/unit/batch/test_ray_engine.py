@@ -91,3 +91,27 @@ def test_a_worker_that_dies_past_its_retries_fails_its_model_alone(float_folder,
     assert [(o.name, o.status) for o in outcomes] == [("a.onnx", "failed"), ("b.onnx", "ok")]
     assert outcomes[0].detail.startswith("worker lost (0 retries)")
     assert not (tmp_path / "out" / "a.onnx").exists()
+
+
+def test_another_process_runs_the_batch_on_this_cluster_by_its_address(float_folder, tmp_path):
+    """``--ray-address``: a separate command line connects to a running cluster (here the module's)."""
+    import subprocess
+
+    from kenosis_rewrite.core.ort_quantize import quantize_with_ort
+
+    qdq = tmp_path / "qdq"
+    qdq.mkdir()
+    model = onnx.load(float_folder / "a.onnx")
+    onnx.save(quantize_with_ort(model, toy_models.random_feeds(model, 4)), qdq / "a.onnx")
+    out = tmp_path / "by_address"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "CI": "true"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "kenosis_rewrite", "fix", str(qdq), str(out), "--engine", "ray",
+         "--ray-address", ray.get_runtime_context().gcs_address, "--no-guard", "--no-progress"],
+        capture_output=True, text=True, timeout=240, env=env, stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| a.onnx | ok |" in done.stdout
+    local = tmp_path / "local"
+    assert cli.main(["fix", str(qdq), str(local), "--engine", "local", "--no-guard", "--no-progress"]) == 0
+    assert (out / "a.onnx").read_bytes() == (local / "a.onnx").read_bytes()
