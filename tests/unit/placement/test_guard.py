@@ -189,3 +189,27 @@ def test_the_report_says_which_yardstick_held_the_rewrite_and_the_fidelity_befor
         assert f"fidelity against {summary['yardstick']}, on 4 calibration feeds:" in text
         assert "ya: mean cosine" in text and "worst feed" in text
         assert report.to_dict()["guard_fidelity"] == summary
+
+
+def _bare_guard(means: list[float], worsts: list[float], blind: bool = False) -> guard.Guard:
+    check = object.__new__(guard.Guard)
+    check.tolerance, check.float_model = guard.DEFAULT_TOLERANCE, None
+    check.input_fidelity = [guard.OutputFidelity(m, w) for m, w in zip(means, worsts)]
+    check.blindness = lambda: "made-up feeds" if blind else None
+    return check
+
+
+@pytest.mark.parametrize("was, allowed", [(0.9995, 0.002), (0.99, 0.002), (0.86, 0.05 * 0.14), (0.5, 0.025)])
+def test_the_budget_is_0002_or_5_percent_of_the_inputs_own_error_whichever_is_larger(was, allowed):
+    check = _bare_guard([was], [was])
+    assert check._fidelity_violation([guard.OutputFidelity(was - allowed + 1e-6, was)], set(), check.tolerance) is None
+    assert "mean cosine" in check._fidelity_violation([guard.OutputFidelity(was - allowed - 1e-4, was)], set(),
+                                                      check.tolerance)
+    assert "worst-feed cosine" in check._fidelity_violation([guard.OutputFidelity(was, was - allowed - 1e-4)], set(),
+                                                            check.tolerance)
+
+
+def test_a_blind_guard_judges_the_mean_only_at_its_own_budget():
+    check = _bare_guard([0.999], [0.99], blind=True)
+    assert check._fidelity_violation([guard.OutputFidelity(0.999 - 0.004, 0.5)], set(), check.tolerance) is None
+    assert check._fidelity_violation([guard.OutputFidelity(0.999 - 0.006, 0.99)], set(), check.tolerance) is not None
