@@ -48,12 +48,17 @@ COMMANDS = {
 SUMMARIES = {
     "": "`python benchmarks/results_table.py docs/benchmarks/*.json`",
     "zoo": "`python benchmarks/zoo_table.py docs/benchmarks/zoo/*.json`",
+    "fix_fidelity": "`python benchmarks/fix_fidelity_table.py --out docs/benchmarks/fix_fidelity/summary.md` "
+                    "([summary.md](fix_fidelity/summary.md))",
 }
 TITLES = {
     "float_3d_conv": "3-D Convs returned to float on ORT CPU (float-3d-conv)",
     "per_site": "fix() where the guard undoes a rule at the sites that cost fidelity only",
     "fleet": "Batch engines on one machine: --engine local against --engine ray",
+    "sharded_calibration": "Calibration of many samples: one pass here against shards as Ray tasks",
     "fix_without_data": "fix() of a peer's output with no data, against fix(calibration=)",
+    "fix_fidelity": "fix() of NNCF, Quark and INC outputs against FP32, mean and worst photo (issue 55)",
+    "fix_fidelity/before": "The same, with the package as it was before (commit daf12ba)",
     "": "fix() on quantize_static's output (seven real models)",
     "zoo": "Every zoo model: quantize() against quantize_static, NNCF, INC and Quark",
 }
@@ -259,7 +264,8 @@ def command_of(json_path: Path, data: dict) -> str:
 
 def variants_page(json_path: Path, data: dict) -> str:
     """A results JSON with a ``variants`` table of its own (``"kind"`` set by the script that wrote it)."""
-    columns = sorted({key for entry in data["variants"].values() for key in entry})
+    columns = sorted({key for entry in data["variants"].values() for key, value in entry.items()
+                      if not isinstance(value, (list, dict))})
     rows = ["| variant | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for name, entry in data["variants"].items():
         cells = [f"{entry[c]:.5g}" if isinstance(entry.get(c), float) else str(entry.get(c, "")) for c in columns]

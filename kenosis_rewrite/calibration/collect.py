@@ -397,8 +397,12 @@ def collect_histograms(
     observe: Observer | None = None,
     tensors: Collection[str] | None = None,
     borrowed: Mapping[str, str | tuple[float, float]] | None = None,
+    anchors: Mapping[str, tuple[float, float]] | None = None,
 ) -> tuple[dict[str, StreamingHistogram], int]:
     """Stream ``feeds`` through ``float_model``; per-tensor statistics and the number of samples.
+    ``anchors``: per tensor, the ``(min, max)`` every sample lies in; its histogram then covers that
+    interval from the start and never regrows, so histograms of any split of the samples sum exactly
+    (:mod:`kenosis_rewrite.calibration.sharded`).
 
     ``histogram=False`` keeps only min/max (faster; enough for ``method="minmax"``). ``observe``:
     called with each run's tensors by name (split runs: each part, in feed order); any callables it
@@ -410,14 +414,15 @@ def collect_histograms(
     object), one with a fixed range gets none.
     """
     histograms, samples, aliases = _collect(float_model, feeds, "full" if histogram else "minmax", bins,
-                                            max_pass_bytes, progress, observe, tensors, borrowed)
+                                            max_pass_bytes, progress, observe, tensors, borrowed, anchors=anchors)
     histograms.update({name: histograms[source] for name, source in aliases.items()
                        if isinstance(source, str) and source in histograms})
     return histograms, samples
 
 
 def _collect(float_model, feeds, kind, bins, max_pass_bytes, progress, observe, tensors, borrowed,
-             percentile: float = 99.99) -> tuple[dict[str, StreamingHistogram], int, dict[str, str | tuple[float, float]]]:
+             percentile: float = 99.99, anchors: Mapping[str, tuple[float, float]] | None = None,
+             ) -> tuple[dict[str, StreamingHistogram], int, dict[str, str | tuple[float, float]]]:
     """The statistics of the measured tensors, the number of samples, and the borrowed tensors left
     unmeasured (each -> its source, as in ``borrowed``). ``kind``: ``"full"`` histograms,
     ``"minmax"`` only, or ``"tails"`` (:class:`PercentileTails` for tensors of ``_TAILS_FROM_BYTES`` or more,
@@ -443,7 +448,10 @@ def _collect(float_model, feeds, kind, bins, max_pass_bytes, progress, observe, 
         if kind == "tails" and selected[name] >= _TAILS_FROM_BYTES:
             return PercentileTails(bins, percentile)
         # only entropy and mse ("full") leave the zeros out
-        return StreamingHistogram(bins, keep_histogram=kind != "minmax", count_zeros=kind == "full")
+        made = StreamingHistogram(bins, keep_histogram=kind != "minmax", count_zeros=kind == "full")
+        if anchors and name in anchors and made.keep_histogram:
+            made.cover(*anchors[name])
+        return made
 
     total = _length(feeds)
     samples = 0

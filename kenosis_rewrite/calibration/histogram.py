@@ -85,6 +85,29 @@ class StreamingHistogram:
             self._cover(low, high)
             self._add(values)
 
+    def cover(self, low: float, high: float) -> None:
+        """Cover ``[low, high]`` before any sample: with the extremes of all the samples, the bins never
+        regrow, and two histograms covered alike sum exactly (:meth:`merge`)."""
+        if self.count:
+            raise ValueError("cover() comes before the first sample")
+        if np.isfinite(low) and np.isfinite(high) and low <= high:
+            self._cover(float(low), float(high))
+
+    def merge(self, other: StreamingHistogram) -> None:
+        """Add ``other``'s statistics: exact where both cover the same bins (see :meth:`cover`)."""
+        if other.count == 0:
+            return
+        if self.keep_histogram:
+            if self.width == 0.0:
+                self.lo, self.width, self.counts = other.lo, other.width, other.counts.copy()
+            elif (self.lo, self.width, self.bins) != (other.lo, other.width, other.bins):
+                raise ValueError("histograms over different bins do not merge exactly")
+            else:
+                self.counts = self.counts + other.counts
+        self.count += other.count
+        self.zeros += other.zeros
+        self.minimum, self.maximum = min(self.minimum, other.minimum), max(self.maximum, other.maximum)
+
     def _cover(self, low: float, high: float) -> None:
         """Grow the covered interval (exactly, by doubling the bin width) until it holds [low, high]."""
         if self.width == 0.0:
