@@ -13,18 +13,16 @@ held-out photos of objects (mean and worst feed), and the task metric where the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 import kenosis_rewrite
 from kenosis_rewrite import zoo
 from kenosis_rewrite.benchmark.bench import measure_latency
+from kenosis_rewrite.benchmark.pages import save_variants_record, variants_record
 from kenosis_rewrite.benchmark.peers import quantize_with_peer
 from kenosis_rewrite.core import fidelity
 
@@ -78,12 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"fp32": float_model, args.peer: peer, f"{args.peer}+fix()": no_data,
                 f"{args.peer}+fix(calibration=)": with_data}
     reference = fidelity.run(float_model, evaluation)
-    result = {
-        "kind": "fix_without_data", "model": args.model, "peer": args.peer,
-        "command": "python benchmarks/fix_without_data.py " + " ".join(sys.argv[1:]),
-        "onnxruntime": ort.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "variants": {},
-    }
+    result = variants_record("fix_without_data", args.model, "benchmarks/fix_without_data.py", sys.argv[1:], peer=args.peer)
     for name, model in variants.items():
         entry = {"integer_mac_fraction": kenosis_rewrite.explain(model).integer_mac_fraction}
         if name != "fp32":
@@ -95,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             result["variants"][name][f"median_ms_{threads}t"] = stat.median_ms
             result["variants"][name][f"x_fp32_{threads}t"] = stats["fp32"].median_ms / stat.median_ms
     result["notes"] = {"fix()": no_data_report.notes, "fix(calibration=)": with_data_report.notes}
-    print(json.dumps(result["variants"], indent=1))
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+    save_variants_record(result, args.json)
     return 0
 
 

@@ -13,16 +13,13 @@ instance of ``--shards`` CPUs). The last two give the same ranges bit for bit (c
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 
 import numpy as np
-import onnxruntime as ort
 
 from kenosis_rewrite import zoo
+from kenosis_rewrite.benchmark.pages import save_variants_record, variants_record
 from kenosis_rewrite.calibration import collect_ranges
 from kenosis_rewrite.calibration.sharded import collect_ranges_sharded
 
@@ -62,22 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     ray_s, on_ray = _timed(lambda: collect_ranges_sharded(model, shards, "percentile", engine="ray"))
     ray.shutdown()
     assert dict(on_ray) == dict(local), "the sharded ranges differ from one shard's"
-    result = {
-        "kind": "sharded_calibration", "model": args.model,
-        "command": "python benchmarks/sharded_calibration.py " + " ".join(sys.argv[1:]),
-        "onnxruntime": ort.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "variants": {
-            "collect_ranges, one pass here": {"seconds": single_s, "samples": args.samples},
-            "collect_ranges_sharded, 1 shard here": {"seconds": local_s, "samples": args.samples},
-            f"collect_ranges_sharded, {args.shards} Ray tasks": {"seconds": ray_s, "samples": args.samples,
-                                                                 "ray_start_seconds": start_s},
-        },
+    result = variants_record("sharded_calibration", args.model, "benchmarks/sharded_calibration.py", sys.argv[1:])
+    result["variants"] = {
+        "collect_ranges, one pass here": {"seconds": single_s, "samples": args.samples},
+        "collect_ranges_sharded, 1 shard here": {"seconds": local_s, "samples": args.samples},
+        f"collect_ranges_sharded, {args.shards} Ray tasks": {"seconds": ray_s, "samples": args.samples,
+                                                             "ray_start_seconds": start_s},
     }
-    print(json.dumps(result["variants"], indent=1))
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+    save_variants_record(result, args.json)
     return 0
 
 

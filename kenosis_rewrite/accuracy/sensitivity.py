@@ -184,11 +184,13 @@ def _output_quantizers(node: ir.Node) -> list[ir.Node]:
 
 
 def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = None,
-              reasons: Mapping[str, str] | None = None, float_weights: Mapping[str, np.ndarray | None] | None = None) -> int:
+              reasons: Mapping[str, str] | None = None, float_weights: Mapping[str, tuple | None] | None = None,
+              rule: str = RULE_NAME) -> int:
     """Return the named layers to FP32: float weights, unquantized input and output.
 
     ``float_weights``: the FP32 model's weights per layer name (:attr:`LayerSensitivity.float_weight`);
-    a layer without them keeps its dequantized weights (their rounding error stays). The Q/DQ pairs
+    a layer without them keeps its dequantized weights (their rounding error stays). ``rule``: the name
+    the report lists the changes under (the caller's reason to keep them in FP32). The Q/DQ pairs
     on the layer's input and output are removed even when a neighbour then loses its integer kernel:
     fidelity first; the report says which layers, and the benchmark what it costs.
     """
@@ -206,9 +208,18 @@ def keep_fp32(model: ir.Model, names: Sequence[str], report: FixReport | None = 
             remove_qdq_pair(quantize, names=fresh)
         count += 1
         if report is not None:
-            report.changed(RULE_NAME, node.name, (reasons or {}).get(node.name, "kept in FP32"), exact=False)
+            report.changed(rule, node.name, (reasons or {}).get(node.name, "kept in FP32"), exact=False)
     remove_unused_nodes(model)
     return count
+
+
+def with_layers_in_fp32(quantized: ir.Model, names: Sequence[str],
+                        float_weights: Mapping[str, tuple | None] | None = None) -> onnx.ModelProto:
+    """A copy of ``quantized`` with the named layers returned to FP32 (:func:`keep_fp32`); ``quantized``
+    is left as it is."""
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(quantized))
+    keep_fp32(copy, names, float_weights=float_weights)
+    return ir.serde.serialize_model(copy)
 
 
 def _restore_float_parameters(graph: ir.Graph, node: ir.Node, original: tuple | None, names: qdq_params.NameAllocator) -> None:
@@ -268,9 +279,8 @@ def select_fp32_layers(
 
         def cosine_with(count: int) -> float:
             if count not in measured:
-                copy = ir.serde.deserialize_model(ir.serde.serialize_model(quantized))
-                keep_fp32(copy, sorted(set(chosen) | {layer.name for layer in ranked[:count]}), float_weights=weights)
-                measured[count] = _cosine(reference, ir.serde.serialize_model(copy), feeds)
+                names = sorted(set(chosen) | {layer.name for layer in ranked[:count]})
+                measured[count] = _cosine(reference, with_layers_in_fp32(quantized, names, weights), feeds)
             return measured[count]
 
         low, high = 0, len(ranked)

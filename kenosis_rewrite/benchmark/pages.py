@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import os
+import platform
 from collections.abc import Sequence
 
 import numpy as np
+import onnxruntime
 
 from kenosis_rewrite.core.fidelity import Fidelity
 
@@ -260,3 +263,20 @@ def _latency_svg(variants: Sequence[VariantResult]) -> str:
     height = row_h * len(measured)
     return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{label_w + bar_w + 110}' height='{height}' "
             f"role='img' aria-label='median latency per variant'>{''.join(rows)}</svg>")
+
+
+def variants_record(kind: str, model: str, script: str, argv: Sequence[str], **fields) -> dict:
+    """The head of a benchmark script's results JSON (``"kind"``: ``tools/gen_docs.py`` renders its
+    ``"variants"`` as a table): what ran, the command that reproduces it, and the machine."""
+    return {"kind": kind, "model": model, **fields, "command": f"python {script} " + " ".join(argv),
+            "onnxruntime": onnxruntime.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "variants": {}}
+
+
+def save_variants_record(record: dict, path: str | None) -> None:
+    """Print the record's variants and write the whole record to ``path`` (its folder made) when given."""
+    print(json.dumps(record["variants"], indent=1))
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as handle:
+            json.dump(record, handle, indent=1)

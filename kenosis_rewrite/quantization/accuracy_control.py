@@ -74,14 +74,10 @@ class MetricHold:
     float_weights: dict = dataclasses.field(default_factory=dict)  # per layer: its FP32 weights (or None)
     scores: dict[int, float] = dataclasses.field(default_factory=dict)
 
-    def with_count(self, count: int) -> onnx.ModelProto:
-        copy = ir.serde.deserialize_model(ir.serde.serialize_model(self.quantized))
-        sensitivity.keep_fp32(copy, self.ranked[:count], float_weights=self.float_weights)
-        return ir.serde.serialize_model(copy)
-
     def score(self, count: int) -> float:
         if count not in self.scores:
-            self.scores[count] = _score(self.validate, self.with_count(count))
+            variant = sensitivity.with_layers_in_fp32(self.quantized, self.ranked[:count], self.float_weights)
+            self.scores[count] = _score(self.validate, variant)
         return self.scores[count]
 
     def fewest(self, floor: float) -> int | None:
@@ -124,9 +120,7 @@ def hold_metric(given: onnx.ModelProto, float_graph: onnx.ModelProto, model: ir.
     before = ir.serde.serialize_model(model)
     reasons = {layer.name: f"validate= metric: weight SNR {layer.weight_snr_db:.1f} dB, local SQNR "
                f"{layer.local_sqnr_db:.1f} dB" for layer in analysis}
-    sensitivity.keep_fp32(model, chosen, report, reasons, hold.float_weights)
-    for change in report.changes[-len(chosen):] if chosen else []:
-        report.changes[report.changes.index(change)] = dataclasses.replace(change, rule=RULE_NAME)
+    sensitivity.keep_fp32(model, chosen, report, reasons, hold.float_weights, rule=RULE_NAME)
     cost = _speed_cost(before, ir.serde.serialize_model(model), feeds[0]) if chosen and feeds else ""
     report.note(f"{head}: {outcome} ({len(hold.scores) + 1} evaluations){cost}")
     return chosen
