@@ -50,6 +50,8 @@ SUMMARIES = {
     "zoo": "`python benchmarks/zoo_table.py docs/benchmarks/zoo/*.json`",
     "fix_fidelity": "`python benchmarks/fix_fidelity_table.py --out docs/benchmarks/fix_fidelity/summary.md` "
                     "([summary.md](fix_fidelity/summary.md))",
+    "fix_fidelity/real_models": "`python benchmarks/fix_fidelity_vs_fp32.py --peers nncf,quark,inc` "
+                                "([summary.md](fix_fidelity/real_models/summary.md))",
 }
 TITLES = {
     "float_3d_conv": "3-D Convs returned to float on ORT CPU (float-3d-conv)",
@@ -59,6 +61,8 @@ TITLES = {
     "fix_without_data": "fix() of a peer's output with no data, against fix(calibration=)",
     "fix_fidelity": "fix() of NNCF, Quark and INC outputs against FP32, mean and worst photo (issue 55)",
     "fix_fidelity/before": "The same, with the package as it was before (commit daf12ba)",
+    "fix_fidelity/real_models": ("fix() of NNCF, Quark and INC outputs against FP32 on real models no test uses: "
+                                 "MediaPipe tf2onnx exports, waifu2x super-resolution (issue 55)"),
     "": "fix() on quantize_static's output (seven real models)",
     "zoo": "Every zoo model: quantize() against quantize_static, NNCF, INC and Quark",
 }
