@@ -2,7 +2,9 @@
 pixel range and normalisation the model expects, inferred from the graph alone (see
 :mod:`kenosis_rewrite.calibration.inputs` for the rules); and natural-looking pixels to feed it.
 
-The normalisation comes from an in-graph Sub/Add/Mul/Div by constants before the first Conv, or
+The normalisation comes from the input's own QuantizeLinear where a quantized model has one (its
+range is the one its quantizer measured on real data: the candidate preprocessing whose pixels span
+it best wins), from an in-graph Sub/Add/Mul/Div by constants before the first Conv, or
 from running candidate preprocessings (``CANDIDATE_PREPROCESSING``) through the first Conv (or the
 model up to it) and comparing the response with the statistics the model was trained for (the
 following BatchNormalization, or the bias of a folded one); ImageNet's otherwise.
@@ -40,6 +42,46 @@ CANDIDATE_PREPROCESSING: dict[str, tuple[float, tuple[float, ...], tuple[float, 
     "caffe": (255.0, (123.7, 116.3, 103.5), (1.0,) * 3),
     "symmetric_255": (255.0, (127.5,) * 3, (127.5,) * 3),
 }
+
+_QUANTIZER_LIMITS = {onnx.TensorProto.UINT8: (0, 255), onnx.TensorProto.INT8: (-128, 127),
+                     onnx.TensorProto.UINT16: (0, 65535), onnx.TensorProto.INT16: (-32768, 32767)}
+
+
+def _input_quantizer_range(graph: InputGraph, name: str) -> tuple[float, float] | None:
+    """The range ``[s (qmin - z), s (qmax - z)]`` of a per-tensor QuantizeLinear that reads ``name``
+    (through transparent ops): what the model's quantizer measured of the real inputs."""
+    for node, index, _path in graph.downstream(name, max_depth=4):
+        if node.op_type != "QuantizeLinear" or index != 0 or node.domain not in ("", "ai.onnx", "com.microsoft"):
+            continue
+        scale = graph.constant(node.input[1])
+        zero = graph.constant(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        if scale is None or scale.size != 1 or (zero is not None and zero.size != 1) or not float(scale.reshape(-1)[0]) > 0:
+            continue
+        # no zero point: uint8 (the operator's default)
+        limits = _QUANTIZER_LIMITS.get(onnx.helper.np_dtype_to_tensor_dtype(zero.dtype) if zero is not None
+                                       else onnx.TensorProto.UINT8)
+        if limits is None:
+            continue
+        step, offset = float(scale.reshape(-1)[0]), float(zero.reshape(-1)[0]) if zero is not None else 0.0
+        return step * (limits[0] - offset), step * (limits[1] - offset)
+    return None
+
+
+def _preprocessing_for_range(measured: tuple[float, float], channels: int, rng) -> tuple[float, tuple, tuple, str]:
+    """(pixel scale, mean, std, reason): the candidate preprocessing whose natural-image pixels span
+    ``measured`` best (log ratio of the spans plus the misplacement of each end, in spans)."""
+    probe = np.stack([natural_image(64, 64, rng) for _ in range(4)])
+    low, high = measured
+    span = max(high - low, 1e-12)
+    scores = {}
+    for name, (scale, mean, std) in CANDIDATE_PREPROCESSING.items():
+        values = preprocessed(probe, scale, mean, std, channels)
+        lo, hi = float(values.min()), float(values.max())
+        scores[name] = abs(np.log(max(hi - lo, 1e-12) / span)) + (abs(lo - low) + abs(hi - high)) / span
+    best = min(scores, key=scores.get)
+    return (*CANDIDATE_PREPROCESSING[best],
+            f"the input's QuantizeLinear measured [{low:.4g}, {high:.4g}]: {best} preprocessing")
+
 
 def _first_conv(graph: InputGraph, name: str) -> tuple[onnx.NodeProto, list, list] | None:
     """The first Conv fed by ``name``, the transparent path to it, and the affine nodes on the way."""
@@ -259,6 +301,11 @@ def image_spec(graph: InputGraph, value, dims, symbols, rng) -> InputSpec | None
     for axis in spatial:
         defaults[axis] = size
     shape = resolve_shape(dims, defaults, symbols)
+    measured = _input_quantizer_range(graph, value.name)
+    if measured is not None:
+        scale, mean, std, how = _preprocessing_for_range(measured, channels, rng)
+        return InputSpec(value.name, NUMPY_TYPES.get(value.type.tensor_type.elem_type, np.float32), shape, "image",
+                         f"{layout} ({why}); {how}", layout, None, scale, tuple(mean), tuple(std))
     failures: list[str] = []
     scale, mean, std, how = _infer_normalisation(graph, found, channels, rng, failures)
     direct_conv_scored = found is not None and not found[2] and "first Conv vs" in how

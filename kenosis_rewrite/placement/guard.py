@@ -1,7 +1,7 @@
 """The run-time guard of ``fix()``: the rewritten model must run, keep its output shapes and its accuracy.
 
 Every rule states its exactness; the guard checks the whole result against the input model on a
-few feeds (the caller's calibration feeds, random ones otherwise), with ONNX Runtime:
+few feeds (the caller's calibration feeds, synthetic ones shaped like data otherwise), with ONNX Runtime:
 
 * **runs**: the output builds and runs at ``ORT_ENABLE_ALL`` and ``ORT_DISABLE_ALL`` wherever the
   input ran, and every output has the input's shape;
@@ -23,13 +23,14 @@ few feeds (the caller's calibration feeds, random ones otherwise), with ONNX Run
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
+from kenosis_rewrite.calibration import inputs
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.graph import qdq_params, value_range
@@ -92,14 +93,24 @@ def _outputs(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], 
     return fidelity.each_run(fidelity.session(model, optimized, at_once), feeds, at_once)
 
 
+# an output with fewer values than this per feed is compared over all feeds at once: the cosine of
+# one value is its sign (MediaPipe's pose-presence logit, near 0 on images without a person, flips
+# sign under any rounding and made a feed's cosine -1)
+FEW_VALUES = 8
+
+
 def _fidelities(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> list[OutputFidelity]:
     """Each float output's cosines against the reference, feed by feed: their mean and the worst
-    (NaN where an output is not finite: it fails every floor)."""
+    (NaN where an output is not finite: it fails every floor); an output of fewer than
+    :data:`FEW_VALUES` values per feed, over all feeds at once (mean and worst alike)."""
     found = []
     for index in range(len(reference[0])):
         if not np.issubdtype(np.asarray(reference[0][index]).dtype, np.floating):
             continue
-        per_feed = [fidelity.cosine(np.asarray(r[index]), np.asarray(o[index])) for r, o in zip(reference, outputs)]
+        pairs = [(np.asarray(r[index]), np.asarray(o[index])) for r, o in zip(reference, outputs)]
+        if all(r.size < FEW_VALUES for r, _ in pairs):
+            pairs = [(np.concatenate([r.ravel() for r, _ in pairs]), np.concatenate([o.ravel() for _, o in pairs]))]
+        per_feed = [fidelity.cosine(r, o) for r, o in pairs]
         worst = float("nan") if any(np.isnan(c) for c in per_feed) else min(per_feed)
         found.append(OutputFidelity(float(np.mean(per_feed)), worst))
     return found
@@ -146,6 +157,22 @@ def _unrounded_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     return ir.serde.serialize_model(copy)
 
 
+def _made_up_feeds(model: onnx.ModelProto) -> Iterator[list[dict[str, np.ndarray]]]:
+    """Feeds to try in turn where the caller gave none: synthetic feeds shaped like data (natural
+    images in the range the input's own quantizer measured, valid token ids; see
+    :func:`kenosis_rewrite.calibration.synthetic_feeds`), then N(0, 1) noise, then noise with the
+    dynamic dims at other sizes. On noise a photo model's outputs move in ways photos never see
+    (MediaPipe pose landmarks by NNCF: a rewrite 0.02 closer to the input's unrounded self on noise
+    was 0.021 farther from FP32 on photos; natural images in [0, 1] showed the fall)."""
+    try:
+        yield inputs.synthetic_feeds(model, _MADE_UP_FEEDS)
+    except Exception:  # noqa: BLE001 - inputs it cannot make up: noise below
+        pass
+    sizes = [None, *fidelity.OTHER_DYNAMIC_SIZES] if fidelity.has_dynamic_dims(model) else [None]
+    for size in sizes:
+        yield fidelity.random_feeds(model, _MADE_UP_FEEDS, size=size)
+
+
 @dataclasses.dataclass
 class Guard:
     """The input model's behaviour on a few feeds, to hold rewritten models against."""
@@ -158,13 +185,11 @@ class Guard:
     def __post_init__(self) -> None:
         given = [dict(feed) for feed in self.feeds][:_GIVEN_FEEDS]
         self.given = bool(given)
-        # made-up feeds: the dynamic dims at another size where the default size does not run
-        sizes = [None] if given or not fidelity.has_dynamic_dims(self.model) else [None, *fidelity.OTHER_DYNAMIC_SIZES]
         self.unavailable = ""
         self.levels_note = ""
         self._last_measured: tuple[onnx.ModelProto, list[OutputFidelity]] | None = None
-        for size in sizes:
-            self.feeds = given or fidelity.random_feeds(self.model, _MADE_UP_FEEDS, size=size)
+        for feeds in ([given] if given else _made_up_feeds(self.model)):
+            self.feeds = feeds
             failure = self._run_input()
             if failure is None:
                 self.unavailable = ""

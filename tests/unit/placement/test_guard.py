@@ -85,7 +85,12 @@ def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatc
         return real(self, model, report, selecting)
 
     monkeypatch.setattr(guard.Guard, "violation", rejects_two_sites)
-    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+    # on made-up feeds the guard does not choose sites (choosing fits the feeds): the rule goes whole
+    _, blind = kenosis_rewrite.fix(qdq, return_report=True)
+    assert not any(c.rule == rule for c in blind.changes)
+    assert any(r.rule == rule and r.where == "whole model" for r in blind.refusals)
+    given = [{"x": np.random.default_rng(i).uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)} for i in range(4)]
+    fixed, report = kenosis_rewrite.fix(qdq, calibration=given, return_report=True)
 
     kept = {c.where for c in report.changes if c.rule == rule}
     assert kept == set(wheres) - bad
@@ -213,3 +218,30 @@ def test_a_blind_guard_judges_the_mean_only_at_its_own_budget():
     check = _bare_guard([0.999], [0.99], blind=True)
     assert check._fidelity_violation([guard.OutputFidelity(0.999 - 0.004, 0.5)], set(), check.tolerance) is None
     assert check._fidelity_violation([guard.OutputFidelity(0.999 - 0.006, 0.99)], set(), check.tolerance) is not None
+
+
+def test_an_output_of_few_values_is_compared_over_all_feeds_not_by_its_sign_per_feed():
+    rng = np.random.default_rng(3)
+    reference = [[np.array([[v]], np.float32), rng.normal(size=(1, 64)).astype(np.float32)] for v in (0.02, -0.01, 3.0, -2.5)]
+    # the one-value output keeps its large values and moves its near-zero ones across 0
+    rewritten = [[np.array([[v]], np.float32), r[1] * 1.0] for v, r in zip((-0.01, 0.02, 3.0, -2.5), reference)]
+    few, many = guard._fidelities(reference, rewritten)
+    stacked = fidelity.cosine(np.array([0.02, -0.01, 3.0, -2.5]), np.array([-0.01, 0.02, 3.0, -2.5]))
+    assert few.mean == few.worst == pytest.approx(stacked) and few.worst > 0.99  # per feed: -1 twice
+    assert many.mean == pytest.approx(1.0) and many.worst == pytest.approx(1.0)
+
+
+def test_when_nothing_short_of_no_rewrite_passes_the_summary_says_the_guard_undid_every_rule(monkeypatch):
+    qdq = _nncf_model()
+    _, unguarded = kenosis_rewrite.fix(qdq, verify=False, return_report=True)
+    changed = {change.rule for change in unguarded.changes}
+    assert changed
+    monkeypatch.setattr(guard.Guard, "violation", lambda self, model, report, selecting=False: "forced by the test")
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+
+    assert not report.changes
+    assert [node.op_type for node in fixed.graph.node] == [node.op_type for node in qdq.graph.node]
+    first = report.summary().splitlines()[1]
+    assert first.startswith("  no changes kept: the run-time guard undid ")
+    assert set(first.split("undid ")[1].split(" (why")[0].split(", ")) == changed
+    assert any("undone: every rewrite" in note for note in report.notes)
