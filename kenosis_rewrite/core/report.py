@@ -44,6 +44,8 @@ class FixReport:
     fidelity: dict | None = None
     # the run-time guard's measure: {"yardstick": ..., "feeds": ..., "outputs": [{"output", "input", "fixed"}]}
     guard_fidelity: dict | None = None
+    # quantize() beside plain quantize_static: {"held_back_feeds", "quantized_cosine", "quantize_static_cosine"}
+    baseline: dict | None = None
     # (rule, site) pairs the rules must leave alone: the sites where the run-time guard undid a rule
     held_sites: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
     # (rule, where) of each change -> the site it was made at (the root node of the rule's match), for
@@ -88,6 +90,9 @@ class FixReport:
         for name, scores in (self.fidelity or {}).items():
             lines.append(f"  fidelity vs FP32, {name}: cosine {scores['cosine']:.6f}, SQNR {scores['sqnr_db']:.1f} dB, "
                          f"max abs {scores['max_abs']:.4g}")
+        if self.baseline:
+            lines.append(f"  beside plain quantize_static, on {self.baseline['held_back_feeds']} held-back feeds: cosine "
+                         f"{self.baseline['quantized_cosine']:.6f} (quantize_static {self.baseline['quantize_static_cosine']:.6f})")
         lines.extend(self._guard_fidelity_lines())
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
@@ -125,6 +130,7 @@ class FixReport:
             "notes": list(self.notes),
             "fidelity": self.fidelity,
             "guard_fidelity": self.guard_fidelity,
+            "baseline": self.baseline,
         }
 
     def to_json(self, indent: int = 2) -> str:

@@ -24,6 +24,9 @@
    cosine to ``target_cosine`` on the calibration feeds, go back to FP32
    (:mod:`kenosis_rewrite.accuracy.sensitivity`).
 8. Optionally, latency-aware placement (``optimize_for="latency"``).
+9. Never below the baseline: plain quantize_static of the same configuration is measured beside
+   the result, and where it is closer to the model as given, fix() of it is returned instead
+   (:mod:`kenosis_rewrite.quantization.baseline`).
 
 Every decision is in the returned :class:`FixReport`.
 """
@@ -48,7 +51,7 @@ from kenosis_rewrite.core.ort_quantize import quiet_logger
 from kenosis_rewrite.core.progress import progress_bar
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import KenosisError, ModelTooLargeError, one_line
-from kenosis_rewrite.quantization import corrections
+from kenosis_rewrite.quantization import baseline, corrections
 from kenosis_rewrite.quantization.accuracy_control import check_metric_options
 from kenosis_rewrite.quantization.calibration_stage import Calibrated, calibrate, calibration_feeds
 from kenosis_rewrite.quantization.configuration import Configuration, configure
@@ -165,7 +168,7 @@ def quantize(
 
 
 _STAGES = ("load", "calibration feeds", "prepare", "quantizable graph", "configure", "calibrate",
-           "quantize_static", "fix", "corrections", "fidelity")
+           "quantize_static", "fix", "corrections", "fidelity", "baseline")
 
 
 @contextlib.contextmanager
@@ -229,6 +232,10 @@ def _quantize(float_model: model_io.ModelLike, settings: QuantizeSettings, stage
     model, out, runs = corrections.checked_corrections(model, started, expected, finish, report)
     stage("fidelity")
     _report_fidelity(report, expected, plain, runs, settings)
+    stage("baseline")
+    replacement = baseline.never_below(original, out, feeds, expected, config.options, settings, report)
+    if replacement is not None:
+        out, model = replacement, ir.serde.deserialize_model(replacement)
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result
 

@@ -24,7 +24,7 @@ from kenosis_rewrite.placement.pipeline import (
 from kenosis_rewrite.placement.targets import TARGETS
 from kenosis_rewrite.quantization.pipeline import quantize
 from kenosis_rewrite.testing.fuzz_configs import plain_quant_config, quantize_or_skip, random_quant_config, silenced
-from kenosis_rewrite.testing.fuzz_models import N_CALIBRATION, random_float_model
+from kenosis_rewrite.testing.fuzz_models import N_CALIBRATION, N_FEEDS, random_float_model
 from kenosis_rewrite.testing.fuzz_running import (
     all_equal,
     first_line,
@@ -38,6 +38,11 @@ from kenosis_rewrite.testing.fuzz_running import (
 )
 
 FIDELITY_TOLERANCE = 0.01
+# quantize() against plain quantize_static, on QUANTIZE_EVAL_FEEDS held-out feeds (issue 53: never
+# more than 0.005 below). On the 2 feeds fix() cases use, seed 7100195 read 0.972 against 0.990;
+# on 64 fresh feeds of the same distribution it is 0.9730 against 0.9685.
+QUANTIZE_TOLERANCE = 0.005
+QUANTIZE_EVAL_FEEDS = 32
 # a fidelity drop that the input's own noise makes as well (not a failure: counted apart)
 WITHIN_JITTER = "within the input's jitter"
 
@@ -53,7 +58,7 @@ CATEGORY_TITLES = (
     ("non_deterministic", "non-deterministic"),
     ("exactness_break", "exactness break (all changes exact=True)"),
     ("fidelity_drop", f"fidelity drop > {FIDELITY_TOLERANCE}"),
-    ("quantize_below_plain", f"quantize() below plain > {FIDELITY_TOLERANCE}"),
+    ("quantize_below_plain", f"quantize() below plain > {QUANTIZE_TOLERANCE}"),
     ("integer_lost", "runs float what its input / plain quantize_static runs integer"),
     ("batch_lost", "runs at batch 1 only where the input runs at batch 2"),
     ("timeout", "case timed out (hang in fix()/quantize()?)"),
@@ -315,6 +320,15 @@ DYNAMIC_BATCH_SEEDS = 20_000_000
 TRANSFORMER_SEEDS = 30_000_000
 
 
+def _more_feeds(like: dict, seed: int) -> list[dict]:
+    """Held-out feeds for the quantize cases, beyond the case's own: drawn like them (N(0, 1)), from
+    their own stream, up to :data:`QUANTIZE_EVAL_FEEDS` evaluation feeds in all."""
+    rng = np.random.default_rng([seed, 53])
+    extra = QUANTIZE_EVAL_FEEDS - (N_FEEDS - N_CALIBRATION)
+    return [{name: rng.standard_normal(value.shape).astype(value.dtype) for name, value in like.items()}
+            for _ in range(extra)]
+
+
 def _random_model(seed: int, rng: np.random.Generator) -> tuple[onnx.ModelProto, list[dict]]:
     return random_float_model(rng, softmax_head=seed >= SOFTMAX_HEAD_SEEDS, dynamic_batch=seed >= DYNAMIC_BATCH_SEEDS,
                               transformer=seed >= TRANSFORMER_SEEDS)
@@ -392,7 +406,8 @@ def check_quantize_case(seed: int) -> CaseResult:
 
     Failures: quantize() raises a non-KenosisError, its output does not run (or changes output
     names/shapes, or runs at batch 1 only where the FP32 model runs at batch 2: dynamic-batch
-    seeds), or its cosine against FP32 is more than :data:`FIDELITY_TOLERANCE` below plain's. Where
+    seeds), or its cosine against FP32 on :data:`QUANTIZE_EVAL_FEEDS` held-out feeds is more than
+    :data:`QUANTIZE_TOLERANCE` below plain's. Where
     quantize_static refuses the model, quantize() must still give a model that runs (no cosine to
     compare with).
     """
@@ -400,7 +415,7 @@ def check_quantize_case(seed: int) -> CaseResult:
     start = time.perf_counter()
     fp32, feeds = _random_model(seed, np.random.default_rng(seed))
     case = CaseResult(seed=seed, kind="quantize", config=plain_quant_config(), model=_describe_model(fp32))
-    calibration, eval_feeds = feeds[:N_CALIBRATION], feeds[N_CALIBRATION:]
+    calibration, eval_feeds = feeds[:N_CALIBRATION], feeds[N_CALIBRATION:] + _more_feeds(feeds[0], seed)
     case.quantize_calls += 1
     plain, reason = quantize_or_skip(fp32, case.config, calibration)
     names, fp32_outputs = run_model(fp32.SerializeToString(), eval_feeds, "disable_all")
@@ -436,7 +451,7 @@ def check_quantize_case(seed: int) -> CaseResult:
         case.cos_quantize = min_cosine(fp32_outputs, outputs["disable_all"])
         result.cos_fixed = case.cos_quantize
         result.drop = case.cos_plain - case.cos_quantize
-        if not result.drop <= FIDELITY_TOLERANCE:
+        if not result.drop <= QUANTIZE_TOLERANCE:
             _below_plain(case, result, plain, ref)
         # where quantize() quantizes every op (the full plan), as many integer kernels as plain's
         if any(note.startswith("plan: full") for note in report.notes):
