@@ -20,10 +20,11 @@ from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.rule_filter import op_filtered
 from kenosis_rewrite.placement.passes.output_quantizers import QuantizeWeightedOutputsPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
+from kenosis_rewrite.placement.passes.symmetric_int8 import SymmetricActivationsPass
 from kenosis_rewrite.placement.targets import TARGETS as _TARGETS
 from kenosis_rewrite.placement.targets import get_target
 
-__all__ = ["TARGETS", "CleanupPass", "FixPass", "apply_rules", "rules"]
+__all__ = ["TARGETS", "CleanupPass", "FixPass", "RangesAndFeeds", "apply_rules", "rules"]
 
 TARGETS = tuple(_TARGETS)
 
@@ -80,6 +81,16 @@ class CleanupPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
+class RangesAndFeeds(dict):
+    """Measured output ranges (the dict ``FixPass`` takes as ``output_ranges``) that also carry the
+    calibration feeds, for the passes that measure on data themselves (the symmetric targets' cost of
+    each conversion, :mod:`.passes.symmetric_cost`): the guard's retries hand ``output_ranges`` on as given."""
+
+    def __init__(self, ranges: Mapping[str, tuple[float, float]], calibration):
+        super().__init__(ranges)
+        self.calibration = calibration
+
+
 class FixPass(ir.passes.InPlacePass):
     """The whole ``fix()`` transformation of one target as an onnx-ir pass.
 
@@ -97,6 +108,7 @@ class FixPass(ir.passes.InPlacePass):
         self.disabled = frozenset(disabled)
         # measured ranges of weighted-op outputs that have no quantizer (see passes.output_quantizers)
         self.output_ranges = dict(output_ranges or {})
+        self.calibration = getattr(output_ranges, "calibration", None)  # RangesAndFeeds
 
     def _enabled(self, steps: list) -> list:
         return [step for step in steps if getattr(step, "rule_name", getattr(step, "name", None)) not in self.disabled]
@@ -109,6 +121,9 @@ class FixPass(ir.passes.InPlacePass):
                  if self.output_ranges or target.facts.quantize_weighted_outputs else [])
         first = self._enabled(first)
         pre_passes = target.pre_passes(self.report)
+        for step in pre_passes:  # the symmetric conversion leaves float what costs too much on the feeds
+            if isinstance(step, SymmetricActivationsPass):
+                step.calibration = self.calibration
         # after the per-axis activation quantizers became per-tensor (NNCF's at depthwise inputs): a
         # saturating activation's quantizer bounds the output before it only as one grid
         at = max((i + 1 for i, step in enumerate(pre_passes) if isinstance(step, PerTensorActivationsPass)), default=0)

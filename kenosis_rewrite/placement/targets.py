@@ -18,8 +18,9 @@ between them. A target is data: the facts, the passes before the rules, the rule
   placement recommendations): symmetric int8 (zero point 0) everywhere, Q/DQ only at the inputs of
   the ops that consume them, none between a weighted op and its activation, data movement on int8
   tensors (DQ forward, Q backward, redundant pairs removed), float biases, per-channel weights on
-  the output-channel axis (quantize_static already emits axis 0 for Conv). Cited, not measured
-  (no TensorRT here).
+  the output-channel axis (quantize_static already emits axis 0 for Conv), a residual block's
+  Conv + Add + Relu/Clip/LeakyRelu with no Q/DQ inside (``rules.residual_activation``). Cited, not
+  measured (no TensorRT here).
 * ``npu``: NPU/DPU compilers (Quark's ``Conv -> Relu -> Q -> DQ`` form): symmetric int8, the
   pre-activation Q/DQ removed for positively homogeneous activations (Relu, LeakyRelu, Clip(0, M))
   and HardSwish, whose post-activation range is already calibrated; int32 biases requantized.
@@ -69,6 +70,7 @@ from kenosis_rewrite.placement.rules.gather_dequantize import GatherBeforeDequan
 from kenosis_rewrite.placement.rules.integer_matmul_bias import integer_matmul_bias_rules
 from kenosis_rewrite.placement.rules.matmul_nbits import matmul_nbits_rules
 from kenosis_rewrite.placement.rules.prelu import PReluToLeakyRelu, PReluToReluMin
+from kenosis_rewrite.placement.rules.residual_activation import residual_activation_rules
 from kenosis_rewrite.placement.rules.shape_of_dequantized import shape_of_codes_rules
 from kenosis_rewrite.placement.rules.sigmoid_gate import QuantizeSigmoidGate
 from kenosis_rewrite.placement.rules.softmax_float_input import softmax_float_input_rules
@@ -197,7 +199,9 @@ TARGETS: dict[str, Target] = {
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
         pre_passes=lambda report: _symmetric_pre(report, TENSORRT_FUSIBLE),
-        rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report)],
+        # and a residual block's Conv + Add + activation as one kernel (rules.residual_activation)
+        rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report),
+                              *residual_activation_rules(report)],
         post_passes=lambda report: [
             DequantizeAfterPadPass(report), DequantizeForwardPass(report), QuantizeBackwardPass(report), RedundantQDQPass(report),
             DequantizeBiasPass(report), ActivationBeforeDataMovementPass(report), RequantizeAfterDataMovementPass(report),

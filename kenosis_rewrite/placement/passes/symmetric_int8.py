@@ -26,6 +26,16 @@ below the new step (a Softmax over many classes) it rounds them all to 0. The ou
 its value unrounded, clamped where the Q clamped values its input can reach (a Relu or Clip that
 quantize_static deleted, or a calibrated bound): the input model's function without its last
 rounding.
+
+**Tensors whose conversion costs too much stay float** (the target runs them in FP16). With
+calibration feeds (``calibration=``, handed in by ``FixPass``), the cost of converting each tensor is
+measured on them (:mod:`.symmetric_cost`): a tensor whose conversion alone lowers the whole model's
+output cosine by more than ``MAX_COST`` (0.005) keeps no Q/DQ at all, its clamps
+kept as for a graph output above, and the report says so with the cost measured. Without feeds
+nothing is measured and every tensor is converted: no data-free rule tells a costly conversion
+from a cheap one (on generated attention blocks the attention probabilities' conversion cost
+0.0003 cosine at 8-16 keys and 0.012 at 197, with the same graph), and the run-time guard holds the
+whole result to its stated bound.
 """
 
 from __future__ import annotations
@@ -37,9 +47,11 @@ from kenosis_rewrite.core import op_tables
 from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.dequantize import insert_clamp, remove_qdq_pair
 from kenosis_rewrite.graph.pass_base import ReportingPass
+from kenosis_rewrite.placement.passes import symmetric_cost
 
 RULE_NAME = "symmetric-int8-activations"
 _QMAX = 127
+MAX_COST = symmetric_cost.MAX_COST  # the most output cosine one tensor's conversion may cost
 # a one-sided tensor's step grows 255/127 = 2.0x; a two-sided one's at most 1.5x up to zero point
 # 64 (or 191) of uint8
 OUTPUT_STEP_GROWTH = 1.5
@@ -66,10 +78,17 @@ class SymmetricActivationsPass(ReportingPass):
     """Every activation Q/DQ (and uint8 weight) to int8 with zero point 0."""
 
     rule_name = RULE_NAME
+    symmetric_scale = staticmethod(_symmetric_scale)
 
-    def __init__(self, report=None, fused_activations: tuple[str, ...] = ()):
+    def __init__(self, report=None, fused_activations: tuple[str, ...] = (), calibration=None,
+                 only: frozenset[int] | None = None):
         super().__init__(report)
         self.fused_activations = frozenset(fused_activations)
+        # feeds to measure each conversion's cost on (symmetric_cost); None: convert every tensor
+        self.calibration = calibration
+        # positions (in graph order) of the only quantizers to convert, constants left alone: the
+        # variants symmetric_cost measures; None: the whole pass
+        self.only = only
 
     def _params(self, graph: ir.Graph, names: qdq_params.NameAllocator, base: str, scale: np.ndarray, shape) -> tuple[ir.Value, ir.Value]:
         scale_name = names.fresh(f"{base}_sym_scale")
@@ -79,31 +98,44 @@ class SymmetricActivationsPass(ReportingPass):
         return scale_value, zp_value
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        costs = {}
+        if self.calibration and self.only is None:
+            costs = symmetric_cost.costly_conversions(model, self, self.calibration)
         graph = model.graph
         names = qdq_params.NameAllocator(graph)  # one scan of the graph for every name this pass gives
         modified = False
-        for node in list(graph):
-            if qdq_params.is_quantize(node):
-                modified |= self._quantizer(graph, names, node)
-            elif qdq_params.is_dequantize(node) and qdq_params.const_array(node.inputs[0]) is not None:
+        for index, node in enumerate(list(graph)):
+            if qdq_params.is_quantize(node) and (self.only is None or index in self.only):
+                modified |= self._quantizer(graph, names, node, costs.get(index))
+            elif self.only is None and qdq_params.is_dequantize(node) and qdq_params.const_array(node.inputs[0]) is not None:
                 modified |= self._constant(graph, names, node)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _quantizer(self, graph: ir.Graph, names: qdq_params.NameAllocator, node: ir.Node) -> bool:
+    def candidate(self, node: ir.Node) -> qdq_params.QuantParams | list[ir.Node] | str | None:
+        """What converting quantizer ``node`` involves: None when there is nothing to convert (not
+        8-bit, or already symmetric int8), a reason (str) when it is refused, else its DQ readers."""
         params = qdq_params.quant_params(node)
         if params is None or params.dtype not in qdq_params.EIGHT_BIT:
-            return False
+            return None
         if params.dtype == ir.DataType.INT8 and not np.any(params.zero_point):
-            return False
-        where = node.name or "QuantizeLinear"
-        output = node.outputs[0]
+            return None
         if not params.is_per_tensor:
-            self.refused(where, "per-axis activation quantization is left as it is")
+            return "per-axis activation quantization is left as it is"
+        return qdq_params.requantizable(node.outputs[0])
+
+    def _quantizer(self, graph: ir.Graph, names: qdq_params.NameAllocator, node: ir.Node, costly: str | None = None) -> bool:
+        consumers = self.candidate(node)
+        where = node.name or "QuantizeLinear"
+        if consumers is None or isinstance(consumers, str):
+            if consumers is not None:
+                self.refused(where, consumers)
             return False
-        consumers = qdq_params.requantizable(output)
-        if isinstance(consumers, str):
-            self.refused(where, consumers)
-            return False
+        params = qdq_params.quant_params(node)
+        output = node.outputs[0]
+        if costly is not None and remove_qdq_pair(node, value_range.quantizer_clamp(node), names=names):
+            graph.remove([*consumers, node], safe=True)
+            self.changed(where, f"{params.describe()}: left float, the target runs it in FP16: {costly}", exact=False)
+            return True
         scale = _symmetric_scale(params)
         growth = float(scale.reshape(-1)[0]) / float(params.scale.reshape(-1)[0])
         # the clamps the Q applied stay (a Relu/Clip quantize_static deleted, or a calibrated bound): only
