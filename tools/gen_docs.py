@@ -64,6 +64,7 @@ TITLES = {
     "fix_fidelity/before": "The same, with the package as it was before (commit daf12ba)",
     "fix_fidelity/real_models": ("fix() of NNCF, Quark and INC outputs against FP32 on real models no test uses: "
                                  "MediaPipe tf2onnx exports, waifu2x super-resolution (issue 55)"),
+    "fix_fidelity/real_models/before": "The same, with the package at d6177b2 (the 'gain kept' baseline)",
     "": "fix() on quantize_static's output (seven real models)",
     "zoo": "Every zoo model: quantize() against quantize_static, NNCF, INC and Quark",
 }
