@@ -44,6 +44,7 @@ from kenosis_rewrite.placement.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.placement.passes.concat_on_codes import ConcatOnCodesPass
 from kenosis_rewrite.placement.passes.constant_quantize import FoldConstantQuantizePass
 from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
+from kenosis_rewrite.placement.passes.float16_qdq import Float16QDQToFloat32Pass
 from kenosis_rewrite.placement.passes.float_3d_conv import Float3DConvPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
 from kenosis_rewrite.placement.passes.qdq_propagation import (
@@ -127,6 +128,8 @@ def _ort_pre(report: Report, to_uint8: bool) -> list:
     """The ORT CPU targets' passes before the rules; ``to_uint8``: x86, where ORT runs int8 activations
     with several consumers in float, so every activation is retyped to uint8."""
     return [
+        # float16 scales first: ORT's integer fusions, and the rules after, read float32 ones
+        Float16QDQToFloat32Pass(report),
         ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
         Float3DConvPass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
         *([ActivationInt8ToUint8Pass(report)] if to_uint8 else []), DequantizeAfterSplitPass(report),

@@ -28,12 +28,16 @@
    the result, and where it is closer to the model as given, fix() of it is returned instead
    (:mod:`kenosis_rewrite.quantization.baseline`).
 
+A float16 graph is made float32 exactly first and quantized as such; its float16 inputs and outputs
+come back float16, a Cast at each (:mod:`kenosis_rewrite.canonicalization.float16`).
+
 Every decision is in the returned :class:`FixReport`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -45,6 +49,7 @@ import onnx_ir as ir
 from kenosis_rewrite import calibration as calib
 from kenosis_rewrite.accuracy import sensitivity
 from kenosis_rewrite.accuracy.weight_rounding import FactorsInBackground
+from kenosis_rewrite.canonicalization import float16
 from kenosis_rewrite.core import fidelity, model_io
 from kenosis_rewrite.core.gc_freeze import caller_objects_frozen
 from kenosis_rewrite.core.ort_quantize import quiet_logger
@@ -92,7 +97,8 @@ def quantize(
     """Quantize an FP32 model for ``target`` and return a fixed, protected QDQ model.
 
     Args:
-        float_model: the FP32 model (ModelProto, onnx_ir.Model or path).
+        float_model: the FP32 model (ModelProto, onnx_ir.Model or path); a float16 one is quantized
+            in float32, its float16 inputs and outputs kept (calibration feeds float16 or float32).
         calibration: feed dicts, a folder of images, ``"synthetic"`` or None (self-calibration).
         per_channel: per-channel int8 weights (True, recommended), per-tensor (False), or
             ``"auto"``: per-channel only for weights it improves by >= 6 dB SNR (faster kernels elsewhere).
@@ -193,10 +199,13 @@ def _quantize(float_model: model_io.ModelLike, settings: QuantizeSettings, stage
     """quantize()'s body, calling ``stage`` as each stage starts."""
     stage("load")
     loaded = _loaded_float_model(float_model, settings)
-    original = ir.serde.serialize_model(loaded.model)
     report = FixReport(target=settings.target)
+    half, settings = _float32_graph(loaded.model, settings, report)
+    original = ir.serde.serialize_model(loaded.model)
     stage("calibration feeds")
     feeds, source = calibration_feeds(original, settings.calibration, settings.calibration_samples, settings.seed)
+    if half is not None:  # the caller's float16 arrays, for the float32 graph (exact)
+        feeds = float16.float32_feeds(feeds, half)
     report.note(f"calibration: {source}")
     # the model as given on the calibration feeds: prepare() verifies against these runs, the final
     # fidelity reuses them
@@ -236,6 +245,9 @@ def _quantize(float_model: model_io.ModelLike, settings: QuantizeSettings, stage
     replacement = baseline.never_below(original, out, feeds, expected, config.options, settings, report)
     if replacement is not None:
         out, model = replacement, ir.serde.deserialize_model(replacement)
+    if half is not None:
+        float16.cast_interface(model, half)
+        out = ir.serde.serialize_model(model)
     result = model if loaded.returns == "ir" else out
     return (result, report) if return_report else result
 
@@ -253,6 +265,27 @@ def _loaded_float_model(float_model: model_io.ModelLike, settings: QuantizeSetti
             "with quantize_weights() (weight-only int4/int8, one weight at a time), then fix() that."
         )
     return loaded
+
+
+def _float32_graph(model: ir.Model, settings: QuantizeSettings, report: FixReport
+                   ) -> tuple[float16.Float16Interface | None, QuantizeSettings]:
+    """A float16 ``model`` made float32 in place (None where it has no float16), and ``settings``
+    with the caller's metric given the model as the caller will get it (float16 inputs and outputs)."""
+    half = float16.to_float32(model)
+    if half is None:
+        return None, settings
+    report.note(half.note("float16 graph quantized in float32") + "; fidelity is against this float32 graph")
+    if settings.validate is not None:
+        settings = dataclasses.replace(settings, validate=functools.partial(_float16_metric, settings.validate, half))
+    return half, settings
+
+
+def _float16_metric(validate: Callable[[onnx.ModelProto], float], half: float16.Float16Interface,
+                    model: onnx.ModelProto) -> float:
+    """``validate`` of ``model`` with its float16 inputs and outputs given back."""
+    converted = ir.serde.deserialize_model(model)
+    float16.cast_interface(converted, half)
+    return validate(ir.serde.serialize_model(converted))
 
 
 def _quantize_static(calibrated: Calibrated, config: Configuration) -> onnx.ModelProto:
