@@ -59,6 +59,9 @@ TITLES = {
     "fleet": "Batch engines on one machine: --engine local against --engine ray",
     "sharded_calibration": "Calibration of many samples: one pass here against shards as Ray tasks",
     "fix_without_data": "fix() of a peer's output with no data, against fix(calibration=)",
+    "weight_only_mlp": "quantize_weights() of a 2.7 GB MLP against onnxruntime's MatMulNBitsQuantizer (issue 52 item 5)",
+    "quantize_vs_peers": ("quantize() against NNCF, Quark, INC and plain quantize_static on real models no test uses "
+                          "(issue 53)"),
     "fuzz_quantize": "quantize() against plain quantize_static on 300 generated graphs, 32 held-out feeds each (issue 53)",
     "fix_fidelity": "fix() of NNCF, Quark and INC outputs against FP32, mean and worst photo (issue 55)",
     "fix_fidelity/before": "The same, with the package as it was before (commit daf12ba)",

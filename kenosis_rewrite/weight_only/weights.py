@@ -11,14 +11,18 @@ onnxruntime 1.31.1 (see :mod:`kenosis_rewrite.placement.rules.matmul_nbits` for 
 that miss it), the DQ must: be blocked along axis 0 of a 2-D constant weight, with a power-of-two
 ``block_size`` from 16 to 256; be 4-bit (int4/uint4) or 8-bit (int8/uint8); have float or float16 scales of the
 MatMul's type; feed exactly one MatMul, and its quantized weight must be read by that DQ only;
-and the MatMul's single consumer must not be a Relu/Clip (ORT then treats it as an activation to
-absorb into a Q that is not there and gives up). This module emits exactly that form:
+and the MatMul's output must not reach a Relu or Clip, directly or through one Add (ORT then leaves
+it a float MatMul or FusedGemm). This module emits exactly that form, for 2-D and 3-D activations,
+with or without a bias, whatever follows (but for a 2-D MatMul plus a residual without a bias: see
+:mod:`kenosis_rewrite.weight_only.activation_form`):
 
 * one DequantizeLinear and one private copy of the quantized initializers per MatMul (a weight read
   by several MatMuls is quantized once and copied);
 * ``Gemm(A, B, C, alpha, beta, transB)`` with ``transA = 0`` becomes ``MatMul(A, DQ(alpha * B'))`` plus
   ``Add(beta * C)``;
-* scales in the weight's own float type (float32 or float16).
+* scales in the weight's own float type (float32 or float16);
+* a Relu or Clip after a rewritten MatMul (directly or through an Add) becomes ``Max``/``Min``, the same
+  values for every non-NaN input (:mod:`kenosis_rewrite.weight_only.activation_form`).
 
 Quantization: round-to-nearest, ties to even (``np.rint``, as ONNX QuantizeLinear), per block of
 ``block_size`` rows of ``W``. Symmetric: int4 in [-8, 7] (int8 in [-128, 127]), zero point 0.
@@ -60,6 +64,7 @@ from onnx_ir.passes import common as common_passes
 from kenosis_rewrite.core import model_io
 from kenosis_rewrite.errors import KenosisError, ModelTooLargeError, RewriteError
 from kenosis_rewrite.graph import qdq_params
+from kenosis_rewrite.weight_only import activation_form
 from kenosis_rewrite.weight_only.blockwise import BlockQuantized, dequantize_blockwise, pack_matmul_nbits, quantize_blockwise
 
 __all__ = [
@@ -204,7 +209,8 @@ def _bias_nodes(builder: _Builder, candidate: _Candidate, product: ir.Value, bas
 
 
 def _rewrite(builder: _Builder, candidate: _Candidate, quantized: BlockQuantized, form: str,
-             accuracy_level: int | None) -> None:
+             accuracy_level: int | None) -> ir.Node:
+    """Replace the candidate's node by its quantized form; returns the new MatMul (or MatMulNBits)."""
     node = candidate.node
     base = node.name or (node.outputs[0].name or node.op_type)
     a = node.inputs[0]
@@ -217,6 +223,17 @@ def _rewrite(builder: _Builder, candidate: _Candidate, quantized: BlockQuantized
     ir.convenience.replace_nodes_and_values(
         builder.graph, node, [node], new_nodes, [node.outputs[0]], [new_nodes[-1].outputs[0]]
     )
+    return new_nodes[0] if form == "matmul_nbits" else new_nodes[1]
+
+
+def _fusible_activations(builder: _Builder, matmuls: dict[ir.Node, np.dtype]) -> int:
+    """Every Relu/Clip that would stop ORT fusing one of ``matmuls`` written as Max/Min; how many."""
+    count = 0
+    for node in list(builder.graph):
+        matmul = activation_form.blocked_matmul(node, matmuls.__contains__)
+        if matmul is not None:
+            count += activation_form.rewrite_as_min_max(node, matmuls[matmul], builder.names)
+    return count
 
 
 def _resolve_form(form: str, opset: int) -> str:
@@ -267,6 +284,7 @@ def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, e
     builder = _Builder(graph)
     cache: dict[tuple, BlockQuantized] = {}
     readers = collections.Counter(_weight_key(node) for node in graph if len(node.inputs) > 1)
+    written: dict[ir.Node, np.dtype] = {}
     count = 0
     for node in list(graph):
         candidate = _candidate_or_none(node, op_types, exclude, block_size)
@@ -282,7 +300,7 @@ def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, e
             if key[0] and readers[key[0]] > 1:
                 cache[key] = quantized
         weight_value = node.inputs[1]
-        _rewrite(builder, candidate, quantized, form, accuracy_level)
+        written[_rewrite(builder, candidate, quantized, form, accuracy_level)] = candidate.weight.dtype
         del candidate
         _release(weight_value)
         readers[key[0]] -= 1
@@ -291,6 +309,8 @@ def _quantize_graph(model: ir.Model, *, bits, block_size, symmetric, op_types, e
         count += 1
     if form == "matmul_nbits" and count:
         model.opset_imports.setdefault(MSFT_DOMAIN, 1)
+    elif count:
+        _fusible_activations(builder, written)
     common_passes.RemoveUnusedNodesPass()(model)
     return count
 

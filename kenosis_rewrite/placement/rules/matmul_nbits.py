@@ -15,8 +15,8 @@ a float MatMul (several times slower, the float weight in memory):
 * the DQ feeds only this MatMul, and its constants are read by no other node (even two DQs
   sharing one quantized initializer stop both fusions);
 * the MatMul is a MatMul: ``Gemm(transB=1)`` over a DQ does not fuse;
-* the MatMul's only consumer is not a Relu/Clip: ORT then looks for a Q to absorb the activation
-  into, finds none and drops the group (only a MatMul whose Relu is a graph output fuses).
+* the MatMul's only consumer is not a Relu/Clip, nor an Add read by a Relu/Clip: ORT then leaves a
+  float MatMul or FusedGemm (only a MatMul whose Relu is a graph output fuses).
 
 Transformations (each refuses with a reason when its condition fails):
 
@@ -36,10 +36,13 @@ Transformations (each refuses with a reason when its condition fails):
 * ``gemm-weight-to-matmul``: ``Gemm(A, DQ(W[N, K]), C, transB=1)`` ==> ``MatMul(A, DQ(W^T)) + beta*C``.
   Same arithmetic up to float summation order (reported inexact). Refused for transA, alpha != 1,
   or beta != 1 with a non-constant C.
-* ``relu-to-max-after-nbits`` / ``clip-to-min-max-after-nbits``: ``MatMul -> Relu`` ==>
-  ``MatMul -> Max(x, 0)``, ``Clip(lo, hi)`` ==> ``Min(Max(x, lo), hi)``. Exact for every non-NaN
+* ``relu-to-max-after-nbits`` / ``clip-to-min-max-after-nbits``: ``MatMul (-> Add) -> Relu`` ==>
+  ``MatMul (-> Add) -> Max(x, 0)``, ``Clip(lo, hi)`` ==> ``Min(Max(x, lo), hi)``. Exact for every non-NaN
   input (both are the same comparisons); only applied after a weight-only MatMul whose output has
-  no other consumer.
+  no other consumer, read by the activation directly or through one Add (a bias: on 2-D
+  activations ORT otherwise makes a float FusedGemm of the three). The matching and the bounds are
+  :mod:`kenosis_rewrite.weight_only.activation_form`'s, which ``quantize_weights()`` applies to
+  its own output.
 
 Only weight-only MatMuls are touched: a MatMul whose input A comes from a DequantizeLinear is an
 activation-quantized (QLinearMatMul / MatMulIntegerToFloat) candidate and is left to the other rules.
@@ -52,7 +55,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet
 
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph import qdq_params, value_range
+from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.rule_base import ReportingRule, acceptance, refusal
 from kenosis_rewrite.placement.rules.nbits_weight import (  # re-exported: they were defined here
     NBITS_TYPES,
@@ -64,6 +67,7 @@ from kenosis_rewrite.placement.rules.nbits_weight import (  # re-exported: they 
     nbits_type_reason,
     weight_dq,
 )
+from kenosis_rewrite.weight_only import activation_form
 
 __all__ = [
     "CastWeightDequantize", "UnshareWeightDequantize", "FoldWeightTranspose", "FoldWeightReshape",
@@ -457,6 +461,10 @@ def _float_type(matmul: ir.Node) -> ir.DataType:
     return dq.scale_type
 
 
+def _weight_only_nbits(matmul: ir.Node) -> bool:
+    return _nbits_candidate_reason(matmul) is None
+
+
 class _ActivationAfterNBits(_NBitsRule):
     activation = ""
 
@@ -466,27 +474,19 @@ class _ActivationAfterNBits(_NBitsRule):
 
     def check(self, context, x, out, **_) -> MatchResult:
         del context
-        matmul = x.producer()
-        if _nbits_candidate_reason(matmul) is not None:
-            return MatchResult().fail("not after a weight-only MatMulNBits candidate")
-        if len(x.uses()) != 1 or x.is_graph_output():
-            return MatchResult().fail("the MatMul output has other consumers: ORT fuses it already")
-        bounds = self._bounds(out.producer())
-        if isinstance(bounds, str):
-            return refusal(_where(out.producer(), self.activation), bounds)
-        return acceptance(_where(out.producer(), self.activation))
-
-    def _bounds(self, node: ir.Node) -> tuple[float | None, float | None] | str:
-        return value_range.activation_bounds(node)
+        node = out.producer()
+        if activation_form.blocked_matmul(node, _weight_only_nbits) is None:
+            return MatchResult().fail("not after a weight-only MatMulNBits candidate that is its only reader")
+        steps = activation_form.min_max_steps(node)
+        if isinstance(steps, str):
+            return refusal(_where(node, self.activation), steps)
+        return acceptance(_where(node, self.activation))
 
     def rewrite(self, op, x, out, **_):
-        node, matmul = out.producer(), x.producer()
-        dtype = _float_type(matmul).numpy()
-        lo, hi = self._bounds(node)
+        node = out.producer()
+        dtype = _float_type(activation_form.blocked_matmul(node, _weight_only_nbits)).numpy()
         graph, result = node.graph, x
-        for bound, op_type in ((lo, "Max"), (hi, "Min")):
-            if bound is None:
-                continue
+        for op_type, bound in activation_form.min_max_steps(node):
             name = self.fresh_name(graph, f"{x.name or 'matmul'}_{op_type.lower()}_bound")
             constant = op.initializer(ir.tensor(np.asarray(bound, dtype=dtype), name=name), name=name)
             result = op.op(op_type, result, constant)

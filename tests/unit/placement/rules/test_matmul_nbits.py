@@ -320,3 +320,27 @@ def test_dequantize_constant_matches_onnxruntime_for_blocked_uint4_with_zero_poi
     model.ir_version = 10
     dq = matmul_nbits.weight_dq(ir.serde.deserialize_model(model).graph.outputs[0])
     np.testing.assert_array_equal(matmul_nbits.dequantize_constant(dq), model_checks.outputs(model, {}, optimized=False)[0])
+
+
+@pytest.mark.parametrize("activation", ["Relu", "Clip"])
+def test_activation_after_a_bias_add_of_a_2d_weight_only_matmul_no_longer_blocks_the_fusion(activation):
+    """2-D ``MatMul -> Add(bias) -> Relu``: ORT makes a float FusedGemm of it unless the Relu is a Max."""
+    nodes, inits, x = [helper.make_node("Reshape", ["x", "x_shape"], ["x2"])], [], "x2"
+    inits.append(onnx.numpy_helper.from_array(np.array([4, K], np.int64), "x_shape"))
+    for i in range(3):
+        inits += _blocked_inits(f"w{i}", n=K) + [onnx.numpy_helper.from_array(np.linspace(-1, 1, K).astype(np.float32), f"b{i}")]
+        nodes += [_dq(f"w{i}", f"w{i}"), helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"b{i}", f"m{i}"], [f"s{i}"])]
+        bounds = ["lo", "hi"] if activation == "Clip" else []
+        nodes.append(helper.make_node(activation, [f"s{i}", *bounds], [f"a{i}"], name=f"act{i}"))
+        x = f"a{i}"
+    inits += [onnx.numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("lo", -1.0), ("hi", 6.0))]
+    nodes.append(helper.make_node("Identity", [x], ["y"]))
+    proto = _model(nodes, inits, n=K, out_shape=[4, K])
+    assert _nbits(proto) == 1  # measured: only the last, whose Relu feeds the graph output, fuses
+    fixed, report, _ = _apply(proto)
+    assert activation not in _op_types(fixed) and {c.where for c in report.changes} == {"act0", "act1", "act2"}
+    assert all(c.exact for c in report.changes)
+    assert _nbits(fixed) == 3
+    _assert_bit_identical(proto, fixed)
+    _assert_fused_close(proto, fixed)
