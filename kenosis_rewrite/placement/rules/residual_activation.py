@@ -3,7 +3,7 @@
 Transformations (TensorRT target; ``W`` a Conv/ConvTranspose/MatMul/Gemm, ``r`` the residual operand,
 ``Act`` one of Relu, Clip, LeakyRelu, zero points 0 as the target's symmetric conversion leaves them)::
 
-    W -> Q0 -> DQ0 -> Add(., r)                 ==>  W -> Add(., r)                      (1)
+    W -> Q0 -> DQ0 -> Add(., r)                 ==>  W -> Clip(Q0's range) -> Add(., r)   (1)
     Add(a, b) -> Q1 -> DQ1 -> Act -> Q2 -> DQ2   ==>  Add(a, b) -> Act' -> Q2 -> DQ2       (2)
     Add(a, b) -> Q1 -> DQ1 -> Act               ==>  Add(a, b) -> Act -> Q1 -> DQ1        (3)
 
@@ -25,7 +25,10 @@ Exactness:
   non-decreasing and fix 0), so the quantizer commutes with the Relu. With Clip(lo, hi) or
   LeakyRelu(alpha) it is approximate: the two orders differ by at most ``s1 / 2`` (Clip, where a
   bound is not on the grid) or ``(1 + alpha) s1 / 2`` (LeakyRelu's negative side), per element.
-* (1) and (2) remove a rounding: approximate, towards FP32. (2): the activation reads the exact sum
+* (1) and (2) remove a rounding: approximate, towards FP32. (1) keeps the removed quantizer's clamp
+  ``[-128 s, 127 s]`` as a Clip: it may stand for an activation quantize_static deleted (a
+  ``Clip(-1, 1)`` leaves a Q of step 1/127.5 and nothing else; the graph cannot tell it from a
+  calibrated range), and TensorRT fuses a Clip into the Conv as well. (2): the activation reads the exact sum
   instead of its rounded copy, and each activation is 1-Lipschitz (alpha <= 1), so the value
   ``Q2`` rounds moves by at most ``s1 / 2`` and the output by at most ``s1 / 2 + s2`` per element.
   Where the sum goes beyond ``Q1``'s range (a calibrated bound), the input clamped it there: a
@@ -68,8 +71,11 @@ def _zero_point_free(node: ir.Node) -> qdq_params.QuantParams | None:
 
 
 def _weighted_source(value: ir.Value | None) -> ir.Node | None:
-    """The Conv/MatMul/Gemm ``value`` comes from, directly or through one ``Q -> DQ`` pair."""
+    """The Conv/MatMul/Gemm ``value`` comes from, directly, through one ``Q -> DQ`` pair, or through
+    the clamp (1) leaves in a removed pair's place."""
     producer = value.producer() if value is not None else None
+    if producer is not None and producer.op_type == "Clip" and producer.inputs[0] is not None:
+        producer = producer.inputs[0].producer()
     if qdq_params.is_dequantize(producer) and qdq_params.is_quantize(producer.inputs[0].producer()):
         producer = producer.inputs[0].producer().inputs[0].producer()
     return producer if producer is not None and producer.op_type in op_tables.WEIGHTED_OPS else None
@@ -131,10 +137,16 @@ class AddIntoProducer(ReportingRule):
             reason = "both operands are quantized Conv/MatMul/Gemm outputs: which one TensorRT fuses the sum into is its choice"
         return refusal(where, reason) if reason else acceptance(where)
 
-    def rewrite(self, op, x, other, total, **_):
+    def rewrite(self, op, x, other, q, total, **_):
         add = total.producer()
-        self.record(add.name or str(total.name), f"the Add reads the {x.producer().op_type} directly", exact=False)
-        return op.Add(x, other, _name=add.name)
+        params = qdq_params.quant_params(q.producer())
+        lo, hi = params.scalar_scale * (params.qmin - 0), params.scalar_scale * (params.qmax - 0)
+        base = self.fresh_name(add.graph, f"{x.name or 'weighted'}_clamp")
+        bounds = [op.initializer(ir.tensor(np.asarray(bound, dtype=params.scale.dtype), name=f"{base}_{side}"),
+                                 name=f"{base}_{side}") for bound, side in ((lo, "min"), (hi, "max"))]
+        self.record(add.name or str(total.name), f"the Add reads the {x.producer().op_type} through the quantizer's "
+                    f"clamp [{lo:.6g}, {hi:.6g}], unrounded", exact=False)
+        return op.Add(op.Clip(x, *bounds), other, _name=add.name)
 
 
 class ActivationAfterResidualAdd(ReportingRule):

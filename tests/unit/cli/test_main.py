@@ -22,7 +22,7 @@ def test_quantize_shows_its_stages_when_asked_and_nothing_when_piped(fp32, tmp_p
     err = capsys.readouterr().err
     for stage in ("load", "calibrate", "quantize_static", "fidelity"):
         assert stage in err
-    assert "quantize: " in err and "/10 [" in err
+    assert "quantize: " in err and "/11 [" in err
     assert cli.main(["quantize", str(fp32), str(tmp_path / "b.onnx"), "--samples", "2"]) == 0
     assert capsys.readouterr().err.strip() == f"wrote {tmp_path / 'b.onnx'}"  # piped: no bar
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()

@@ -85,10 +85,9 @@ def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatc
         return real(self, model, report, selecting)
 
     monkeypatch.setattr(guard.Guard, "violation", rejects_two_sites)
-    # on made-up feeds the guard does not choose sites (choosing fits the feeds): the rule goes whole
-    _, blind = kenosis_rewrite.fix(qdq, return_report=True)
-    assert not any(c.rule == rule for c in blind.changes)
-    assert any(r.rule == rule and r.where == "whole model" for r in blind.refusals)
+    # on made-up feeds and on the caller's alike (made-up ones hold each choice to a quarter of the budget)
+    _, made_up = kenosis_rewrite.fix(qdq, return_report=True)
+    assert {c.where for c in made_up.changes if c.rule == rule} == set(wheres) - bad
     given = [{"x": np.random.default_rng(i).uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)} for i in range(4)]
     fixed, report = kenosis_rewrite.fix(qdq, calibration=given, return_report=True)
 
@@ -212,6 +211,12 @@ def test_the_budget_is_0002_or_5_percent_of_the_inputs_own_error_whichever_is_la
                                                       check.tolerance)
     assert "worst-feed cosine" in check._fidelity_violation([guard.OutputFidelity(was, was - allowed - 1e-4)], set(),
                                                             check.tolerance)
+
+
+def test_choosing_sites_on_made_up_feeds_spends_a_quarter_of_the_budget():
+    made_up, given = _bare_guard([0.999], [0.999]), _bare_guard([0.999], [0.999])
+    made_up.given, given.given = False, True
+    assert made_up._selection_margin == guard.MADE_UP_SELECTION_MARGIN < given._selection_margin == guard.SELECTION_MARGIN
 
 
 def test_a_blind_guard_judges_the_mean_only_at_its_own_budget():
