@@ -17,6 +17,7 @@ import onnx_ir as ir
 from kenosis_rewrite.accuracy import sensitivity
 from kenosis_rewrite.accuracy.bias_correction import RULE_NAME as BIAS_CORRECTION
 from kenosis_rewrite.accuracy.bias_correction import correct_biases
+from kenosis_rewrite.accuracy.broken_outputs import mend_broken_outputs
 from kenosis_rewrite.accuracy.protection import OutputProtectionPass
 from kenosis_rewrite.accuracy.weight_rounding import RULE_NAME as WEIGHT_ROUNDING
 from kenosis_rewrite.accuracy.weight_rounding import FactorsInBackground, round_weights
@@ -118,6 +119,8 @@ def finished(model: ir.Model, graph: QuantizableGraph, config: Configuration, fe
     """The steps after the corrections; the model, its proto and its outputs on the fidelity feeds."""
     if settings.snr_threshold_db is not None or settings.target_cosine is not None:
         _fp32_fallbacks(model, graph.proto, feeds, settings, report)
+    # an output the pooled fidelity hides (a small head far below the rest) gets its culprit layer back in FP32
+    mend_broken_outputs(model, graph.proto, feeds, report)
     if settings.validate is not None:
         hold_metric(float_runs.model, graph.proto, model, feeds, settings.validate, settings.max_drop, report)
     CleanupPass()(model)
