@@ -21,6 +21,12 @@ both cosines.
 
 Skipped, and said, where the caller's own metric decides (``validate=``) or quantize_static refuses
 the model.
+
+Where the baseline wins and quantize() chose its range method itself, the pipeline runs once more
+with :data:`RETRY_METHOD` ranges (entropy: it places each range by the information kept, not by a
+tail percentile that a few feeds set): MediaPipe's palm detector, 16 scenes: percentile 0.9614 and
+plain quantize_static 0.9640 on the blends, entropy 0.9877 (0.9834 on 8 held-out photos, NNCF 0.9778).
+The retry is returned where it is closer than the replacement on the same blends by the margin.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from kenosis_rewrite.errors import one_line
 from kenosis_rewrite.placement.pipeline import fix
 from kenosis_rewrite.quantization.settings import QuantizeSettings
 
-__all__ = ["held_back_feeds", "margin", "never_below"]
+__all__ = ["RETRY_METHOD", "held_back_cosine", "held_back_feeds", "margin", "never_below"]
 
 MARGIN = 0.001
+RETRY_METHOD = "entropy"
 RELATIVE_MARGIN = 0.05
 # the options of quantize_static that make "the same configuration"; ranges, plan and exclusions are ours
 _SAME_CONFIGURATION = ("quant_format", "activation_type", "weight_type", "per_channel")
@@ -62,6 +69,12 @@ def held_back_feeds(feeds: list[dict], count: int, seed: int = 0) -> list[dict]:
             for name, value in feeds[a].items()
         })
     return blends
+
+
+def held_back_cosine(original: onnx.ModelProto, model: onnx.ModelProto, feeds: list[dict], count: int) -> float:
+    """``model``'s cosine against ``original`` on the ``count`` held-back blends :func:`never_below` uses."""
+    held_back = held_back_feeds(feeds, count)
+    return fidelity.scores(fidelity.run(original, held_back), fidelity.run(model, held_back))["cosine"]
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -92,3 +92,32 @@ def test_the_users_metric_decides_instead_of_the_baseline():
     settings = QuantizeSettings(validate=lambda m: 1.0, max_drop=0.1)
     assert baseline.never_below(model, model, feeds, fidelity.run(model, feeds[:4]), OPTIONS, settings, report) is None
     assert any("validate= decides" in note for note in report.notes)
+
+
+def test_where_the_baseline_wins_the_pipeline_retries_with_entropy_ranges_and_keeps_the_closer(monkeypatch):
+    model, feeds = _model_and_feeds(5)
+    poor = _worse_copy(kenosis_rewrite.quantize(model, calibration=feeds))
+    real = baseline.never_below
+    calls = []
+
+    def a_poor_replacement(original, candidate, *args, **kwargs):
+        calls.append(kwargs.get("settings", args[3] if len(args) > 3 else None))
+        real(original, candidate, *args, **kwargs)
+        return poor if len(calls) == 1 else None  # the first run "loses"; the retry stands on its own
+
+    monkeypatch.setattr(baseline, "never_below", a_poor_replacement)
+    quantized, report = kenosis_rewrite.quantize(model, calibration=feeds, return_report=True)
+    assert len(calls) == 2 and calls[1].calibration_method == baseline.RETRY_METHOD
+    assert any(note.startswith(f"calibration method: {baseline.RETRY_METHOD}, chosen by measuring") for note in report.notes)
+    assert quantized.SerializeToString() != poor.SerializeToString()
+    assert "QuantizeLinear" in {node.op_type for node in quantized.graph.node}
+    held_out = toy_models.random_feeds(model, 6, seed=105)
+    reference = fidelity.run(model, held_out)
+    assert (fidelity.scores(reference, fidelity.run(quantized, held_out))["cosine"]
+            > fidelity.scores(reference, fidelity.run(poor, held_out))["cosine"])
+    # a method the caller chose is not second-guessed: the replacement stands
+    calls.clear()
+    chosen, chosen_report = kenosis_rewrite.quantize(model, calibration=feeds, calibration_method="percentile",
+                                                     return_report=True)
+    assert len(calls) == 1 and chosen.SerializeToString() == poor.SerializeToString()
+    assert not any(note.startswith("calibration method: entropy") for note in chosen_report.notes)
