@@ -49,12 +49,11 @@ from onnx import helper, numpy_helper
 import kenosis_rewrite
 from kenosis_rewrite import zoo
 from kenosis_rewrite.benchmark import peers
-from kenosis_rewrite.benchmark.bench import measure_latency
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.zoo import preprocess
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from fix_without_data import _fidelity  # noqa: E402 - the per-output mean/worst cosines, one definition
+from fix_without_data import _fidelity, record_speeds  # noqa: E402 - the per-output mean/worst cosines, one definition
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks" / "fix_fidelity" / "real_models"
@@ -364,11 +363,7 @@ def measure(variants: dict, evaluation: list, threads: list[int], seconds: float
     peer_name = list(variants)[1]
     for name in list(variants)[2:]:
         result[name].update(_deltas(result[name], result[peer_name]))
-    for count in threads:
-        stats = measure_latency(variants, evaluation[0], threads=count, min_seconds=seconds)
-        for name, stat in stats.items():
-            result[name][f"median_ms_{count}t"] = stat.median_ms
-            result[name][f"x_fp32_{count}t"] = stats["fp32"].median_ms / stat.median_ms
+    record_speeds(result, variants, evaluation[0], threads, seconds)
     return result
 
 

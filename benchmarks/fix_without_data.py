@@ -43,6 +43,16 @@ def _fidelity(reference: list, outputs: list) -> dict:
             "min_worst_feed_cosine": min(o["worst_feed_cosine"] for o in per_output)}
 
 
+def record_speeds(result: dict, variants: dict, feed: dict, threads: list[int], seconds: float) -> None:
+    """Each variant's interleaved median (``median_ms_Nt``) and speed against ``variants["fp32"]``
+    (``x_fp32_Nt``) at each thread count, written into ``result[name]``."""
+    for count in threads:
+        stats = measure_latency(variants, feed, threads=count, min_seconds=seconds)
+        for name, stat in stats.items():
+            result[name][f"median_ms_{count}t"] = stat.median_ms
+            result[name][f"x_fp32_{count}t"] = stats["fp32"].median_ms / stat.median_ms
+
+
 def _peer_model(peer: str, model_name: str, float_model, calibration, cache: str | None):
     """The peer's output, from ``cache`` (a folder) when an earlier run left it there."""
     path = os.path.join(cache, f"{model_name}_{peer}.onnx") if cache else None
@@ -82,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if name != "fp32":
             entry.update(_fidelity(reference, fidelity.run(model, evaluation)))
         result["variants"][name] = entry
-    for threads in (int(t) for t in args.threads.split(",")):
-        stats = measure_latency(variants, evaluation[0], threads=threads, min_seconds=args.min_seconds)
-        for name, stat in stats.items():
-            result["variants"][name][f"median_ms_{threads}t"] = stat.median_ms
-            result["variants"][name][f"x_fp32_{threads}t"] = stats["fp32"].median_ms / stat.median_ms
+    record_speeds(result["variants"], variants, evaluation[0], [int(t) for t in args.threads.split(",")], args.min_seconds)
     result["notes"] = {"fix()": no_data_report.notes, "fix(calibration=)": with_data_report.notes}
     save_variants_record(result, args.json)
     return 0

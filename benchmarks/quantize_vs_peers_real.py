@@ -30,11 +30,10 @@ from onnxruntime.quantization import QuantType
 
 import kenosis_rewrite
 from kenosis_rewrite.benchmark import peers
-from kenosis_rewrite.benchmark.bench import measure_latency
 from kenosis_rewrite.core import fidelity, ort_quantize
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fix_without_data import _fidelity  # noqa: E402 - the per-output mean/worst cosines, one definition
+from fix_without_data import _fidelity, record_speeds  # noqa: E402 - the per-output mean/worst cosines, one definition
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks" / "quantize_vs_peers"
@@ -69,11 +68,7 @@ def measure(variants: dict, evaluation: list, threads: list[int], seconds: float
               for name, model in variants.items()}
     for name, model in variants.items():
         result[name]["integer_mac_fraction"] = kenosis_rewrite.explain(model).integer_mac_fraction
-    for count in threads:
-        stats = measure_latency(variants, evaluation[0], threads=count, min_seconds=seconds)
-        for name, stat in stats.items():
-            result[name][f"median_ms_{count}t"] = stat.median_ms
-            result[name][f"x_fp32_{count}t"] = stats["fp32"].median_ms / stat.median_ms
+    record_speeds(result, variants, evaluation[0], threads, seconds)
     return result
 
 

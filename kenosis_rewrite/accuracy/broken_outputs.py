@@ -7,7 +7,7 @@ same). The SNR ranking (:mod:`kenosis_rewrite.accuracy.sensitivity`) blamed the 
 return to FP32 changed nothing: the error entered one Conv earlier, whose 288 output channels share
 one grid over [-104, 23] (a step of 0.5) while the channels the head reads span a few units.
 
-So, per float output of at least :data:`MIN_VALUES` values whose mean cosine against FP32 on the
+So, per float output of at least ``fidelity.FEW_VALUES`` values whose mean cosine against FP32 on the
 calibration feeds is below :data:`BROKEN_COSINE`: each of the :data:`CANDIDATES` weighted layers
 nearest upstream of it is returned to FP32 on its own (quantizers on its input and output removed,
 its dequantized weights kept) and the output measured; the best is kept where it lifts the output by
@@ -36,7 +36,6 @@ __all__ = ["BROKEN_COSINE", "RULE_NAME", "mend_broken_outputs", "per_output_cosi
 
 RULE_NAME = "keep-fp32-for-broken-output"
 BROKEN_COSINE = 0.9
-MIN_VALUES = 8  # an output of fewer values per feed is a score or a flag: judged pooled by the guard
 CANDIDATES = 24
 MIN_GAIN = 0.05
 MAX_LAYERS = 3
@@ -46,16 +45,9 @@ _FEEDS = 4
 
 def per_output_cosines(reference: list, runs: list) -> list[float | None]:
     """Each output's mean cosine over the feeds (None for outputs that are not float or have fewer
-    than :data:`MIN_VALUES` values)."""
-    cosines = []
-    for index in range(len(reference[0])):
-        value = np.asarray(reference[0][index])
-        if not np.issubdtype(value.dtype, np.floating) or value.size < MIN_VALUES:
-            cosines.append(None)
-            continue
-        cosines.append(float(np.mean([fidelity.cosine(np.asarray(r[index]), np.asarray(o[index]))
-                                      for r, o in zip(reference, runs)])))
-    return cosines
+    than ``fidelity.FEW_VALUES`` values: scores and flags, which the guard judges pooled)."""
+    return [None if np.asarray(value).size < fidelity.FEW_VALUES else cosine
+            for value, cosine in zip(reference[0], fidelity.mean_cosines(reference, runs))]
 
 
 def _upstream_layers(model: ir.Model, output: ir.Value, limit: int) -> list[str]:

@@ -304,6 +304,19 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sum(a * b) / denominator)
 
 
+# an output with fewer values than this per feed is a score or a flag: one value's cosine is its sign
+# (MediaPipe's pose-presence logit, near 0 on images without a person, flips sign under any rounding)
+FEW_VALUES = 8
+
+
+def mean_cosines(reference: Sequence[Sequence[np.ndarray]], outputs: Sequence[Sequence[np.ndarray]]) -> list[float | None]:
+    """Each output's cosine against the reference, feed by feed, averaged over the feeds (None where
+    the output is not float)."""
+    return [float(np.mean([cosine(r[index], o[index]) for r, o in zip(reference, outputs)]))
+            if np.issubdtype(np.asarray(reference[0][index]).dtype, np.floating) else None
+            for index in range(len(reference[0]))]
+
+
 def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
     """Share of positions whose argmax over the last axis (the classes) agrees."""
     reference, candidate = np.asarray(reference), np.asarray(candidate)

@@ -53,17 +53,10 @@ def _candidates(model: ir.Model, convert) -> dict[int, ir.Node]:
             if qdq_params.is_quantize(node) and isinstance(convert.candidate(node), list)}
 
 
-def _float_outputs(outputs: Sequence[np.ndarray]) -> list[int]:
-    return [i for i, out in enumerate(outputs) if np.issubdtype(np.asarray(out).dtype, np.floating)]
-
-
 def _cost(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> float:
     """``1 - cosine`` of ``outputs`` against ``reference``: mean over feeds, worst float output."""
-    worst = 0.0
-    for index in _float_outputs(reference[0]):
-        mean = float(np.mean([fidelity.cosine(r[index], o[index]) for r, o in zip(reference, outputs)]))
-        worst = max(worst, 1.0 - mean if np.isfinite(mean) else 2.0)
-    return worst
+    return max([0.0, *(1.0 - mean if np.isfinite(mean) else 2.0 for mean in fidelity.mean_cosines(reference, outputs)
+                       if mean is not None)])
 
 
 def _baseline(proto: onnx.ModelProto, feeds: list, candidates: Mapping[int, ir.Node]) -> tuple[list, dict[int, list]]:
