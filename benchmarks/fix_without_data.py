@@ -4,10 +4,11 @@
     python benchmarks/fix_without_data.py nudenet_yolov8n --peer nncf \\
         --json docs/benchmarks/fix_without_data/nudenet_yolov8n_nncf.json
 
-Quantizes the zoo model with the peer on 16 real photos (scenes), then times, interleaved in one
-process (warm-up, medians), at 1 and 2 threads: FP32, the peer's model as given, fix() with no
-arguments, and fix(calibration=the same 16 feeds). Fidelity is the cosine against FP32 on 100
-held-out photos of objects (mean and worst feed), and the task metric where the model has one.
+Quantizes the zoo model with the peer (or ``--peer ort:CONFIG``, onnxruntime's quantize_static)
+on 16 real photos (scenes), then times, interleaved in one process (warm-up, medians), at 1 and 2
+threads: FP32, the peer's model as given, fix() with no arguments, and fix(calibration=the same 16
+feeds). Fidelity is the cosine against FP32 on 100 held-out photos of objects (mean and worst
+feed), and the task metric where the model has one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kenosis_rewrite import zoo
 from kenosis_rewrite.benchmark.bench import measure_latency
 from kenosis_rewrite.benchmark.pages import save_variants_record, variants_record
 from kenosis_rewrite.benchmark.peers import quantize_with_peer
-from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.core import fidelity, ort_quantize
+from kenosis_rewrite.core.ort_quantize import ORT_CONFIGS
 
 
 def _fidelity(reference: list, outputs: list) -> dict:
@@ -58,7 +60,10 @@ def _peer_model(peer: str, model_name: str, float_model, calibration, cache: str
     path = os.path.join(cache, f"{model_name}_{peer}.onnx") if cache else None
     if path and os.path.exists(path):
         return onnx.load(path)
-    quantized = quantize_with_peer(peer, float_model, calibration).model
+    if peer.startswith("ort:"):  # onnxruntime's own quantize_static in a named configuration
+        quantized = ort_quantize.quantize_with_ort(float_model, calibration, peer.removeprefix("ort:"))
+    else:
+        quantized = quantize_with_peer(peer, float_model, calibration).model
     if path:
         os.makedirs(cache, exist_ok=True)
         onnx.save(quantized, path)
@@ -68,7 +73,8 @@ def _peer_model(peer: str, model_name: str, float_model, calibration, cache: str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a zoo model name")
-    parser.add_argument("--peer", default="nncf", choices=["nncf", "inc", "quark"])
+    parser.add_argument("--peer", default="nncf", choices=["nncf", "inc", "quark", *(f"ort:{name}" for name in ORT_CONFIGS)],
+                        help="a peer quantizer, or ort:CONFIG for onnxruntime's quantize_static (core.ort_quantize.ORT_CONFIGS)")
     parser.add_argument("--calibration-samples", type=int, default=16)
     parser.add_argument("--evaluation-samples", type=int, default=100)
     parser.add_argument("--threads", default="1,2")
