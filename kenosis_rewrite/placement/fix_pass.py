@@ -8,8 +8,10 @@ rewrite rules as an onnxscript ``RewriteRuleSet``, for any onnxscript pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter import RewritePass, RewriteRuleSet
@@ -20,11 +22,10 @@ from kenosis_rewrite.graph import qdq_params
 from kenosis_rewrite.graph.rule_filter import op_filtered
 from kenosis_rewrite.placement.passes.output_quantizers import QuantizeWeightedOutputsPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
-from kenosis_rewrite.placement.passes.symmetric_int8 import SymmetricActivationsPass
 from kenosis_rewrite.placement.targets import TARGETS as _TARGETS
 from kenosis_rewrite.placement.targets import get_target
 
-__all__ = ["TARGETS", "CleanupPass", "FixPass", "RangesAndFeeds", "apply_rules", "rules"]
+__all__ = ["TARGETS", "CallerData", "CleanupPass", "FixPass", "apply_rules", "rules"]
 
 TARGETS = tuple(_TARGETS)
 
@@ -81,14 +82,15 @@ class CleanupPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
-class RangesAndFeeds(dict):
-    """Measured output ranges (the dict ``FixPass`` takes as ``output_ranges``) that also carry the
-    calibration feeds, for the passes that measure on data themselves (the symmetric targets' cost of
-    each conversion, :mod:`.passes.symmetric_cost`): the guard's retries hand ``output_ranges`` on as given."""
+@dataclasses.dataclass(frozen=True)
+class CallerData:
+    """What the caller's calibration feeds give ``fix()`` before it rewrites: the measured output
+    ranges of weighted ops that have no quantizer (:mod:`.passes.output_quantizers`) and the feeds
+    themselves (the symmetric targets measure each conversion's cost on them, :mod:`.passes.symmetric_cost`).
+    The guard's retries hand it on as it is."""
 
-    def __init__(self, ranges: Mapping[str, tuple[float, float]], calibration):
-        super().__init__(ranges)
-        self.calibration = calibration
+    output_ranges: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    feeds: Sequence[Mapping[str, np.ndarray]] = ()
 
 
 class FixPass(ir.passes.InPlacePass):
@@ -100,6 +102,7 @@ class FixPass(ir.passes.InPlacePass):
     def __init__(
         self, target: str = "ort-cpu", report: FixReport | None = None, disabled: Iterable[str] = (),
         output_ranges: Mapping[str, tuple[float, float]] | None = None,
+        calibration: Sequence[Mapping[str, np.ndarray]] | None = None,
     ):
         super().__init__()
         _check_target(target)
@@ -108,7 +111,8 @@ class FixPass(ir.passes.InPlacePass):
         self.disabled = frozenset(disabled)
         # measured ranges of weighted-op outputs that have no quantizer (see passes.output_quantizers)
         self.output_ranges = dict(output_ranges or {})
-        self.calibration = getattr(output_ranges, "calibration", None)  # RangesAndFeeds
+        # the caller's feeds, for the passes that measure on data (passes.symmetric_cost)
+        self.calibration = list(calibration or [])
 
     def _enabled(self, steps: list) -> list:
         return [step for step in steps if getattr(step, "rule_name", getattr(step, "name", None)) not in self.disabled]
@@ -120,10 +124,7 @@ class FixPass(ir.passes.InPlacePass):
         first = ([QuantizeWeightedOutputsPass(self.output_ranges, self.report)]
                  if self.output_ranges or target.facts.quantize_weighted_outputs else [])
         first = self._enabled(first)
-        pre_passes = target.pre_passes(self.report)
-        for step in pre_passes:  # the symmetric conversion leaves float what costs too much on the feeds
-            if isinstance(step, SymmetricActivationsPass):
-                step.calibration = self.calibration
+        pre_passes = target.pre_passes(self.report, self.calibration)
         # after the per-axis activation quantizers became per-tensor (NNCF's at depthwise inputs): a
         # saturating activation's quantizer bounds the output before it only as one grid
         at = max((i + 1 for i, step in enumerate(pre_passes) if isinstance(step, PerTensorActivationsPass)), default=0)
@@ -162,14 +163,15 @@ def apply_rules(model: ir.Model, target: str, names: Iterable[str], report: FixR
 
 
 def _fix_once(
-    model: model_io.ModelLike | model_io.LoadedModel, target: str, disabled: frozenset[str], output_ranges: Mapping | None = None,
+    model: model_io.ModelLike | model_io.LoadedModel, target: str, disabled: frozenset[str], data: CallerData | None = None,
     held_sites: frozenset = frozenset(),
 ) -> tuple[model_io.LoadedModel, FixReport]:
     """FixPass on a fresh private copy of ``model`` (or on ``model`` itself when it is one already);
-    ``held_sites``: (rule, site) pairs the rules leave alone."""
+    ``data``: what the caller's feeds gave; ``held_sites``: (rule, site) pairs the rules leave alone."""
     loaded = model if isinstance(model, model_io.LoadedModel) else model_io.load(model, lazy=True)
     report = FixReport(target=target, held_sites=held_sites)
     for note in loaded.notes:
         report.note(note)
-    FixPass(target, report, disabled, output_ranges)(loaded.model)
+    data = data or CallerData()
+    FixPass(target, report, disabled, data.output_ranges, data.feeds)(loaded.model)
     return loaded, report

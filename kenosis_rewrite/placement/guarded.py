@@ -10,14 +10,12 @@ passed, held to the same guard, so that a second ``fix()`` finds nothing left to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import onnx
 
 from kenosis_rewrite.core import interleaved_timing, model_io
 from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
 from kenosis_rewrite.placement import speed_check
-from kenosis_rewrite.placement.fix_pass import _fix_once
+from kenosis_rewrite.placement.fix_pass import CallerData, _fix_once
 from kenosis_rewrite.placement.guard import Guard, candidate_undos
 from kenosis_rewrite.placement.passes import output_quantizers, per_tensor_activations
 
@@ -32,21 +30,21 @@ UNVERIFIABLE_BLIND = frozenset({output_quantizers.RULE_NAME, per_tensor_activati
 
 
 def _guarded_fix(
-    model: model_io.ModelLike, first: model_io.LoadedModel, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
+    model: model_io.ModelLike, first: model_io.LoadedModel, target: str, guard: Guard | None, data: CallerData | None = None,
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """:func:`_faithful_fix`, then :func:`_not_slower`: what the guard accepts, never slower than the input."""
-    result = _faithful_fix(model, first, target, guard, output_ranges)
-    return _not_slower(model, result, target, guard, output_ranges)
+    result = _faithful_fix(model, first, target, guard, data)
+    return _not_slower(model, result, target, guard, data)
 
 
 def _faithful_fix(
-    model: model_io.ModelLike, first: model_io.LoadedModel, target: str, guard: Guard | None, output_ranges: Mapping | None = None,
+    model: model_io.ModelLike, first: model_io.LoadedModel, target: str, guard: Guard | None, data: CallerData | None = None,
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """FixPass on ``first`` (the caller's ``model``, loaded), then the run-time guard; rules the guard
     rejects are undone (the model is loaded again from the caller's input and rebuilt without them)
     and the report says why. Where the guard is blind (:meth:`Guard.blindness`), the rules of
     :data:`UNVERIFIABLE_BLIND` that changed the model are undone first, and stay undone."""
-    loaded, report = _fix_once(first, target, frozenset(), output_ranges)
+    loaded, report = _fix_once(first, target, frozenset(), data)
     if guard is None:
         return loaded, report, None
     after = model_io.in_memory_proto(loaded.model)
@@ -55,7 +53,7 @@ def _faithful_fix(
     if guard.levels_note:
         report.note(guard.levels_note)
     if guard.unavailable:
-        return _exact_only(model, loaded, report, after, target, guard, output_ranges)
+        return _exact_only(model, loaded, report, after, target, guard, data)
     blind = guard.blindness()
     kept_out = frozenset(c.rule for c in report.changes if c.rule in UNVERIFIABLE_BLIND) if blind else frozenset()
     if kept_out:
@@ -74,13 +72,13 @@ def _faithful_fix(
             undone = "every rewrite"
         else:
             disabled = disabled | kept_out
-            loaded, retry_report = _fix_once(model, target, disabled, output_ranges)
+            loaded, retry_report = _fix_once(model, target, disabled, data)
             retry_after = model_io.in_memory_proto(loaded.model)
             if guard.violation(retry_after, retry_report) is not None:
                 continue
             undone = ", ".join(sorted(disabled))
         held: frozenset = frozenset()
-        at_sites = _undone_at_sites(model, target, disabled, kept_out, report, guard, output_ranges)
+        at_sites = _undone_at_sites(model, target, disabled, kept_out, report, guard, data)
         if at_sites is not None:
             (loaded, retry_report, retry_after), held, undone = at_sites
             retry_report.refusals[:0] = _held_site_refusals(report, held, problem)
@@ -93,7 +91,7 @@ def _faithful_fix(
         retry_report.note(f"run-time guard: {problem}; undone: {undone}")
         if disabled is not None and retry_after is not None:
             loaded, retry_report, retry_after = _closing_round(loaded, retry_report, retry_after, target, guard,
-                                                               output_ranges, kept_out, held)
+                                                               data, kept_out, held)
         if target.startswith("ort-cpu") and interleaved_timing.u8s8_saturates():
             retry_report.note(
                 "this host is x86 without VNNI: ORT's uint8 x int8 kernels saturate int16 pair sums here, so "
@@ -105,7 +103,7 @@ def _faithful_fix(
 
 def _not_slower(
     model: model_io.ModelLike, result: tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None], target: str,
-    guard: Guard | None, output_ranges: Mapping | None,
+    guard: Guard | None, data: CallerData | None,
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """``result``, unless it runs slower than the input (:mod:`.speed_check`): then the rules that changed
     it are undone one at a time, latest first, until the result is neither slower nor rejected by the
@@ -122,7 +120,7 @@ def _not_slower(
     disabled = {r.rule for r in report.refusals if r.where == "whole model" and r.reason.startswith(GUARD_UNDO_REASON)}
     for rule in dict.fromkeys(change.rule for change in reversed(report.changes)):
         disabled.add(rule)
-        trial, trial_report = _fix_once(model, target, frozenset(disabled), output_ranges, report.held_sites)
+        trial, trial_report = _fix_once(model, target, frozenset(disabled), data, report.held_sites)
         trial_after = model_io.in_memory_proto(trial.model)
         if (trial_after is not None and guard.violation(trial_after, trial_report) is None
                 and speed_check.slower(guard.model, trial_after, feed) is None):
@@ -147,7 +145,7 @@ def _sites_of(report: FixReport, rule: str) -> list:
 
 def _undone_at_sites(
     model: model_io.ModelLike, target: str, disabled: frozenset[str] | None, kept_out: frozenset[str], report: FixReport,
-    guard: Guard, output_ranges: Mapping | None,
+    guard: Guard, data: CallerData | None,
 ) -> tuple[tuple[model_io.LoadedModel, FixReport, onnx.ModelProto], frozenset, str] | None:
     """Where the guard passed with one rule undone, that rule undone only at the sites that cost the
     fidelity: the sites are released half by half (each try a fix() held to the guard) and those whose
@@ -168,7 +166,7 @@ def _undone_at_sites(
             return
         trials += 1
         pairs = frozenset((rule, site) for site in held - set(chunk))
-        loaded, trial_report = _fix_once(model, target, kept_out, output_ranges, pairs)
+        loaded, trial_report = _fix_once(model, target, kept_out, data, pairs)
         after = model_io.in_memory_proto(loaded.model)
         if after is not None and guard.violation(after, trial_report, selecting=True) is None:
             held.difference_update(chunk)
@@ -197,7 +195,7 @@ UNCHECKED_HINT = ("pass calibration= feeds the model runs on (or input_shapes= t
 
 def _exact_only(
     model: model_io.ModelLike, loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto, target: str,
-    guard: Guard, output_ranges: Mapping | None,
+    guard: Guard, data: CallerData | None,
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """Where the guard cannot run the input, only rewrites proven bit-exact are applied: the rules
     that made an approximate change are held back, and the report says which and how to lift that."""
@@ -205,7 +203,7 @@ def _exact_only(
     if not held_back:
         report.note(f"{guard.unavailable}; every change is exact, so none was held back")
         return loaded, report, after
-    loaded, exact_report = _fix_once(model, target, held_back, output_ranges)
+    loaded, exact_report = _fix_once(model, target, held_back, data)
     exact_report.refusals[:0] = [
         Refusal(rule, "whole model", f"held back: not exact, and {guard.unavailable}") for rule in sorted(held_back)
     ]
@@ -216,7 +214,7 @@ def _exact_only(
 
 def _closing_round(
     loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto, target: str, guard: Guard,
-    output_ranges: Mapping | None, kept_out: frozenset[str], held_sites: frozenset = frozenset(),
+    data: CallerData | None, kept_out: frozenset[str], held_sites: frozenset = frozenset(),
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto]:
     """The pipeline once more on the model the guard let through with rules undone, held to the same
     guard (the caller's input). A rule undone on the input graph can pass on the rewritten one:
@@ -225,7 +223,7 @@ def _closing_round(
     rewrite, held only to its own input: fix() was not idempotent. The round's model is taken when
     it changed and passes; otherwise the model as it was. ``kept_out``: rules it leaves out too;
     ``held_sites``: the sites where the guard undid a rule, left alone too."""
-    again, again_report = _fix_once(after, target, kept_out, output_ranges, held_sites)
+    again, again_report = _fix_once(after, target, kept_out, data, held_sites)
     if not again_report.changes:
         return loaded, report, after
     merged = FixReport(target=target, changes=[*report.changes, *again_report.changes],

@@ -32,7 +32,7 @@ from kenosis_rewrite.calibration.feed_files import feeds_from_path, is_feed_path
 from kenosis_rewrite.core import model_io
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import InvalidModelError, KenosisError, RewriteError
-from kenosis_rewrite.placement.fix_pass import TARGETS, CleanupPass, FixPass, RangesAndFeeds, _check_target, apply_rules, rules
+from kenosis_rewrite.placement.fix_pass import TARGETS, CallerData, CleanupPass, FixPass, _check_target, apply_rules, rules
 from kenosis_rewrite.placement.guard import Guard
 from kenosis_rewrite.placement.guarded import _guarded_fix
 from kenosis_rewrite.placement.opset_upgrade import needs_per_axis_upgrade, upgraded_for_per_axis
@@ -247,13 +247,11 @@ def fix_loaded(
     guard = None
     if guarded and before is not None:
         guard = Guard(before, calibration or [], float_model=float_proto)
-    output_ranges = _output_ranges(before, target, calibration, notes)
-    if calibration:  # the symmetric targets measure each conversion's cost on them (passes.symmetric_cost)
-        output_ranges = RangesAndFeeds(output_ranges, calibration)
+    data = CallerData(_output_ranges(before, target, calibration, notes), calibration or ())
     # the input as given (its graph alone when not in memory), taken now: the rewrite may work on
     # ``first.model`` itself
     reference = before if before is not None else model_io.graph_only_proto(first.model)
-    loaded, report, after = _guarded_fix(model, first, target, guard, output_ranges)
+    loaded, report, after = _guarded_fix(model, first, target, guard, data)
     if in_memory and after is None:
         after = model_io.in_memory_proto(loaded.model)
     for note in notes:

@@ -29,7 +29,7 @@ between them. A target is data: the facts, the passes before the rules, the rule
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from onnxscript.rewriter import RewriteRule
 
@@ -97,7 +97,7 @@ class TargetFacts:
 class Target:
     name: str
     facts: TargetFacts
-    pre_passes: Callable[[Report], list]
+    pre_passes: Callable[[Report, Sequence], list]  # (report, the caller's calibration feeds)
     rules: Callable[[Report], list[RewriteRule]]
     post_passes: Callable[[Report], list]
 
@@ -136,13 +136,14 @@ def _ort_pre(report: Report, to_uint8: bool) -> list:
     ]
 
 
-def _symmetric_pre(report: Report, fusible: tuple[str, ...]) -> list:
+def _symmetric_pre(report: Report, fusible: tuple[str, ...], calibration: Sequence = ()) -> list:
     """The symmetric-int8 targets' passes before the rules (TensorRT, NPU): every activation to
-    symmetric int8, the Q/DQ before the activations the target fuses left for the rules to remove."""
+    symmetric int8, the Q/DQ before the activations the target fuses left for the rules to remove;
+    with the caller's ``calibration`` feeds, what costs too much on them stays float."""
     return [
         ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
         FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
-        SymmetricActivationsPass(report, fusible),
+        SymmetricActivationsPass(report, fusible, calibration=calibration or None),
     ]
 
 
@@ -170,7 +171,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="measured: shared research ort-cpu-facts.md, onnxruntime 1.31.1",
         ),
-        pre_passes=lambda report: _ort_pre(report, to_uint8=True),
+        pre_passes=lambda report, calibration=(): _ort_pre(report, to_uint8=True),
         # the integer MatMuls' bias Adds fused into MatMulIntegerToFloat (rules.integer_matmul_bias) before
         # residual_sum sees them; SkipLayerNormalization measured 1.3-8x slower than Sum +
         # LayerNormalization on x86 (rules.residual_sum), QLinearSoftmax 1.2-6x slower than
@@ -188,7 +189,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=True,
             basis="cited: QDQIsInt8Allowed() under MLAS_TARGET_ARM_ANY (onnxruntime qdq_selector_action_transformer.h)",
         ),
-        pre_passes=lambda report: _ort_pre(report, to_uint8=False),
+        pre_passes=lambda report, calibration=(): _ort_pre(report, to_uint8=False),
         rules=_ort_rules,
         post_passes=_ort_post,
     ),
@@ -201,7 +202,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="cited: TensorRT developer guide, 'Explicit Quantization' / Q/DQ placement recommendations",
         ),
-        pre_passes=lambda report: _symmetric_pre(report, TENSORRT_FUSIBLE),
+        pre_passes=lambda report, calibration=(): _symmetric_pre(report, TENSORRT_FUSIBLE, calibration),
         # and a residual block's Conv + Add + activation as one kernel (rules.residual_activation)
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(TENSORRT_FUSIBLE, report),
                               *residual_activation_rules(report)],
@@ -219,7 +220,7 @@ TARGETS: dict[str, Target] = {
             quantize_weighted_outputs=False,
             basis="research: positive homogeneity f(a x) = a f(x), a > 0; Quark's DPU placement Conv -> Relu -> Q -> DQ",
         ),
-        pre_passes=lambda report: _symmetric_pre(report, NPU_FUSIBLE),
+        pre_passes=lambda report, calibration=(): _symmetric_pre(report, NPU_FUSIBLE, calibration),
         rules=lambda report: [*_conv_folds(report), *activation_fusion_rules(NPU_FUSIBLE, report)],
         post_passes=_ort_post,
     ),
