@@ -119,7 +119,12 @@ def never_below(original: onnx.ModelProto, candidate: onnx.ModelProto, feeds: li
     held_back = held_back_feeds(feeds, len(fidelity_runs))
     expected = fidelity.run(original, held_back)
     ours = fidelity.scores(expected, fidelity.run(candidate, held_back))["cosine"]
-    theirs = fidelity.scores(expected, fidelity.run(baseline, held_back))["cosine"]
+    try:
+        theirs = fidelity.scores(expected, fidelity.run(baseline, held_back))["cosine"]
+    except Exception as error:  # noqa: BLE001 - e.g. per-axis DequantizeLinear written at opset 11
+        report.note(f"baseline: quantize_static's model of the model as given does not run ({one_line(error, 200)}); "
+                    "not compared")
+        return None
     report.baseline = {"held_back_feeds": len(held_back), "quantized_cosine": ours, "quantize_static_cosine": theirs}
     needed = margin(ours)
     if theirs <= ours + needed:

@@ -121,3 +121,18 @@ def test_where_the_baseline_wins_the_pipeline_retries_with_entropy_ranges_and_ke
                                                      return_report=True)
     assert len(calls) == 1 and chosen.SerializeToString() == poor.SerializeToString()
     assert not any(note.startswith("calibration method: entropy") for note in chosen_report.notes)
+
+
+def test_a_baseline_onnx_runtime_cannot_load_is_not_compared():
+    """quantize_static writes per-channel DequantizeLinear (an ``axis``) into an opset-11 model as
+    given, which ONNX Runtime refuses (ddddocr's detector, where quantize() itself moved to opset 13)."""
+    model, feeds = _model_and_feeds(6)
+    ours = kenosis_rewrite.quantize(model, calibration=feeds)
+    model.opset_import[0].version = 11
+    onnx.checker.check_model(model, full_check=True)
+    report = FixReport()
+    report.fidelity = {}
+    expected = fidelity.run(model, feeds[:4])
+    assert baseline.never_below(model, ours, feeds, expected, OPTIONS, QuantizeSettings(), report) is None
+    assert any(note.startswith("baseline: quantize_static's model") and "does not run" in note for note in report.notes)
+    assert report.baseline is None
