@@ -226,3 +226,29 @@ def test_a_rewrite_that_breaks_the_checker_is_a_rewrite_error(monkeypatch):
     _breaking_fix_pass(monkeypatch, add_bad_node)
     with pytest.raises(kenosis_rewrite.RewriteError, match="ONNX checker"):
         kenosis_rewrite.fix(qdq, verify=False)
+
+
+def _with_unnamed_constant(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its first initializer read through a Constant node whose tensor has no name,
+    as PyTorch's exporter writes them (onnx_ir names such a tensor after its output when it reads it)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    first = copy.graph.initializer[0]
+    tensor = onnx.TensorProto()
+    tensor.CopyFrom(first)
+    tensor.ClearField("name")
+    copy.graph.node.insert(0, onnx.helper.make_node("Constant", [], [first.name], value=tensor))
+    del copy.graph.initializer[0]
+    return copy
+
+
+def test_neither_fix_nor_quantize_writes_into_the_callers_proto():
+    float_model = _with_unnamed_constant(toy_models.build("conv_bn"))
+    feeds = toy_models.random_feeds(float_model, 6)
+    qdq = _with_unnamed_constant(ort_quantize.quantize_with_ort(toy_models.build("conv_relu"), feeds, "u8s8"))
+    for call, model in ((lambda m: kenosis_rewrite.fix(m), qdq), (lambda m: kenosis_rewrite.fix(m, calibration=feeds), qdq),
+                        (lambda m: kenosis_rewrite.quantize(m, calibration=feeds), float_model)):
+        before = model.SerializeToString()
+        call(model)
+        assert model.SerializeToString() == before
+        assert not [n for n in model.graph.node if n.op_type == "Constant"][0].attribute[0].t.name

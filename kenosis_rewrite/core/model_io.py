@@ -495,7 +495,11 @@ def load(model: ModelLike, *, require_qdq: bool = True, lazy: bool = False) -> L
             notes += check_quantized(copy)
         return LoadedModel(copy, "ir", notes)
     if isinstance(model, onnx.ModelProto):
-        proto = model
+        # onnx_ir's tensors view the proto they were read from and write some fields back into it
+        # (a Constant's tensor takes its output's name when read, a renamed value its initializer's
+        # name): the caller's proto would change under fix() (crnn_captcha's Constant nodes)
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
         returns = "proto"
     elif isinstance(model, (str, os.PathLike)):
         proto = _load_path(model, lazy)
@@ -516,7 +520,7 @@ def load(model: ModelLike, *, require_qdq: bool = True, lazy: bool = False) -> L
             f"Expected an onnx.ModelProto, onnx_ir.Model or a path, got {type(model).__name__}."
         )
     unsorted = _needs_sort(proto)
-    # Tensors of the copy may view the proto's bytes; the proto is never written to, so that is safe.
+    # tensors of the copy view ``proto``'s bytes: a proto of our own (a copy, or read from a path)
     copy = _deserialized(proto)
     notes = _sort(copy) if unsorted else []
     if require_qdq:
