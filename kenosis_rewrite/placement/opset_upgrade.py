@@ -1,9 +1,12 @@
-"""A QDQ model with per-channel Q/DQ below opset 13, moved to opset 13 so that it is valid and runs.
+"""A QDQ model whose Q/DQ its opset does not have, moved to opset 13 so that it is valid and runs.
 
 onnxruntime's ``quantize_static(per_channel=True)`` of an FP32 model below opset 13 writes
 QuantizeLinear/DequantizeLinear nodes with an ``axis`` attribute, which those ops only have from
-opset 13: the checker refuses the result and onnxruntime cannot load it. The user is left with
-nothing. :func:`upgraded_for_per_axis` converts the model to opset 13 with onnx's version converter.
+opset 13; Quark keeps an opset-9 model's opset (Caffe-era exports: open_nsfw) and writes Q/DQ,
+which exist from opset 10. The checker refuses the result and onnxruntime cannot load it: the user
+is left with nothing. :func:`upgraded_for_per_axis` converts the model to opset 13 with onnx's
+version converter (which has no adapter for a Q/DQ below 10: those pass through it in a private
+domain, unchanged, as their opset-13 form computes the same).
 
 Exactness: the conversion changes op versions, not values, and it is checked: the model's float
 counterpart (every Q/DQ removed, weights dequantized; valid at any opset) before and after the
@@ -29,10 +32,44 @@ UPGRADE_FEEDS = 2
 UPGRADE_TOLERANCE = 1e-5
 
 
+_QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist from here
+_PASSING_DOMAIN = "kenosis.unconverted"  # Q/DQ below opset 10 cross the converter in this domain
+
+
 def needs_per_axis_upgrade(error: InvalidModelError) -> bool:
-    """Whether ``error`` is the checker's refusal of per-axis Q/DQ below opset 13."""
+    """Whether ``error`` is the checker's refusal of per-axis Q/DQ below opset 13, or of Q/DQ below 10."""
     message = str(error)
-    return "Unrecognized attribute: axis" in message and ("QuantizeLinear" in message or "DequantizeLinear" in message)
+    if "QuantizeLinear" not in message and "DequantizeLinear" not in message:
+        return False
+    return "Unrecognized attribute: axis" in message or "No Op registered for" in message
+
+
+def _sorted(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with its nodes in topological order (Quark writes some out of order), as a copy."""
+    model = ir.serde.deserialize_model(proto)
+    model.graph.sort()
+    return ir.serde.serialize_model(model)
+
+
+def _converted(proto: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """onnx's version converter to opset 13, the Q/DQ of a model below 10 carried across unchanged."""
+    if opset >= _QDQ_OPSET:
+        return onnx.version_converter.convert_version(proto, op_tables.PER_AXIS_OPSET)
+    marked = onnx.ModelProto()
+    marked.CopyFrom(proto)
+    carried = [node for node in marked.graph.node if node.domain in op_tables.DEFAULT_DOMAINS
+               and node.op_type in (op_tables.QUANTIZE, op_tables.DEQUANTIZE)]
+    for node in carried:
+        node.domain = _PASSING_DOMAIN
+    marked.opset_import.append(onnx.helper.make_opsetid(_PASSING_DOMAIN, 1))
+    converted = onnx.version_converter.convert_version(marked, op_tables.PER_AXIS_OPSET)
+    for node in converted.graph.node:
+        if node.domain == _PASSING_DOMAIN:
+            node.domain = ""
+    kept = [o for o in converted.opset_import if o.domain != _PASSING_DOMAIN]
+    del converted.opset_import[:]
+    converted.opset_import.extend(kept)
+    return converted
 
 
 def _proto(model: model_io.ModelLike) -> onnx.ModelProto:
@@ -62,12 +99,12 @@ def _same_outputs(before: list, after: list) -> bool:
 
 def upgraded_for_per_axis(model: model_io.ModelLike, error: InvalidModelError) -> tuple[onnx.ModelProto, str]:
     """``model`` converted to opset 13 and a note saying so; raises ``error`` where that is refused."""
-    proto = _proto(model)
+    proto = _sorted(_proto(model))
     opset = next((o.version for o in proto.opset_import if o.domain in op_tables.DEFAULT_DOMAINS), None)
     if opset is None or opset >= op_tables.PER_AXIS_OPSET:
         raise error
     try:
-        converted = onnx.version_converter.convert_version(proto, op_tables.PER_AXIS_OPSET)
+        converted = _converted(proto, opset)
         model_io.check_model(converted, full_check=True)
         feeds = fidelity.random_feeds(converted, UPGRADE_FEEDS)
         same = _same_outputs(_float_outputs(proto, feeds), _float_outputs(converted, feeds))
@@ -77,6 +114,8 @@ def upgraded_for_per_axis(model: model_io.ModelLike, error: InvalidModelError) -
     if not same:
         raise InvalidModelError(f"{error} (its conversion to opset {op_tables.PER_AXIS_OPSET} changed the float "
                                 "outputs, so it was not used)") from None
-    return converted, (f"opset {opset} -> {op_tables.PER_AXIS_OPSET}: the model's per-channel QuantizeLinear/"
-                       f"DequantizeLinear need opset {op_tables.PER_AXIS_OPSET} (onnxruntime refuses them below); "
+    what = "per-channel QuantizeLinear/DequantizeLinear need" if opset >= _QDQ_OPSET else \
+        f"QuantizeLinear/DequantizeLinear (from opset {_QDQ_OPSET}; per-channel from"
+    return converted, (f"opset {opset} -> {op_tables.PER_AXIS_OPSET}: the model's {what} opset {op_tables.PER_AXIS_OPSET}"
+                       f"{')' if opset < _QDQ_OPSET else ''} (onnxruntime refuses them below); "
                        "converted with onnx's version converter, its float outputs checked unchanged")

@@ -90,3 +90,29 @@ def test_other_checker_failures_are_not_upgrades():
     assert not opset_upgrade.needs_per_axis_upgrade(InvalidModelError("Unrecognized attribute: foo for operator Conv"))
     assert opset_upgrade.needs_per_axis_upgrade(
         InvalidModelError("Unrecognized attribute: axis for operator DequantizeLinear"))
+
+
+def test_qdq_below_opset_10_written_out_of_order_is_upgraded_then_fixed():
+    """Quark keeps an opset-9 model's opset and writes Q/DQ, which exist from opset 10, and some nodes
+    out of order (open_nsfw): valid at 13 once the converter lets the Q/DQ pass unchanged."""
+    b = ToyBuilder(seed=4)
+    float_model = b.model({"x": [1, 3, 12, 12]}, b.conv(b.node("Relu", [b.conv("x", 3, 8)]), 8, 4), opset=13)
+    feeds = random_feeds(float_model, 6, seed=2)
+    valid = quantize_with_ort(float_model, feeds[:4], "u8s8")  # per-tensor: the same at every opset from 10
+    qdq = onnx.ModelProto()
+    qdq.CopyFrom(valid)
+    qdq.opset_import[0].version = 9
+    qdq.graph.node.reverse()
+    with pytest.raises(InvalidModelError):
+        model_io.load(qdq)
+
+    fixed, report = kenosis_rewrite.fix(qdq, return_report=True)
+
+    onnx.checker.check_model(fixed, full_check=True)
+    assert [(o.domain, o.version) for o in fixed.opset_import] == [("", 13)]
+    assert any(note.startswith("opset 9 -> 13") for note in report.notes)
+    assert op_types(fixed)["QuantizeLinear"] > 0
+    # numbers: the fix of the valid opset-13 model, bit for bit
+    for a, b in zip(fidelity.run(kenosis_rewrite.fix(valid), feeds[4:]), fidelity.run(fixed, feeds[4:])):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
