@@ -179,6 +179,8 @@ class Guard:
     feeds: list[dict[str, np.ndarray]]
     float_model: onnx.ModelProto | None = None
     tolerance: float = DEFAULT_TOLERANCE
+    # with the caller's feeds, also hold the rewrite on made-up ones (see :meth:`violation`)
+    also_made_up: bool = True
 
     def __post_init__(self) -> None:
         given = [dict(feed) for feed in self.feeds][:_GIVEN_FEEDS]
@@ -186,6 +188,10 @@ class Guard:
         self.unavailable = ""
         self.levels_note = ""
         self._last_measured: tuple[onnx.ModelProto, list[OutputFidelity]] | None = None
+        self.made_up: Guard | None = None
+        if given and self.also_made_up:
+            companion = Guard(self.model, [], self.float_model, self.tolerance)
+            self.made_up = None if companion.unavailable else companion
         for feeds in ([given] if given else _made_up_feeds(self.model)):
             self.feeds = feeds
             failure = self._run_input()
@@ -274,15 +280,31 @@ class Guard:
         return SELECTION_MARGIN if self.given else MADE_UP_SELECTION_MARGIN
 
     def violation(self, model: onnx.ModelProto, report: FixReport, selecting: bool = False) -> str | None:
-        """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None.
+        """Why ``model`` (the rewrite of the input, described by ``report``) is not acceptable, or None:
+        on the caller's feeds and, where they were given, on made-up ones too (:attr:`made_up`; where
+        the input is blind on those, their mean only): the caller's feeds may not be what the model
+        meets. PicoDet's layout detector by quantize_static, calibrated on 16 street scenes: BatchNorm
+        folds kept at 29 of 94 sites within budget on the scenes moved one output 0.027 farther from
+        FP32 on 24 photos of objects; held on synthetic images too, 4 sites, +0.0007. PP-LCNet by NNCF:
+        0.0055 -> 0.0035 below the input on 40 photos (integer MACs 79% -> 67%)."""
+        problem = self._violation(model, report, selecting)
+        if problem is None and self.made_up is not None:
+            problem = self.made_up._violation(model, report, selecting)
+            if problem is not None:
+                problem = f"on {len(self.made_up.feeds)} made-up feeds beside the caller's: {problem}"
+        return problem
+
+    def _violation(self, model: onnx.ModelProto, report: FixReport, selecting: bool = False) -> str | None:
+        """:meth:`violation` on this guard's own feeds.
         Checked at each optimization level the input runs at. ``selecting``: the check chooses among
         many candidates (which sites to keep), so it fits the guard's feeds; half the tolerance then
-        leaves room for the feeds it did not see."""
+        leaves room for the feeds it did not see; and it runs the optimized level only (where the
+        cosines are measured; a selection's result is checked whole after, :meth:`violation`)."""
         if self.unavailable:
             return None
         runs = {}
         for optimized, expected in ((True, self.input_optimized), (False, self.input_plain)):
-            if expected is None:
+            if expected is None or (selecting and not optimized and self.input_optimized is not None):
                 continue
             try:
                 runs[optimized] = _outputs(model, self.feeds, optimized=optimized)

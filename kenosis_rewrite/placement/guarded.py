@@ -179,6 +179,8 @@ def _undone_at_sites(
     release(sites[len(sites) // 2:])
     if best is None or len(held) == len(sites):
         return None
+    if guard.violation(best[2], best[1]) is not None:  # the choice was checked at one level: now at both
+        return None
     pairs = frozenset((rule, site) for site in held)
     return best, pairs, f"{rule} at {len(held)} of its {len(sites)} sites (kept at the others)"
 

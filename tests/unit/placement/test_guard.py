@@ -250,3 +250,33 @@ def test_when_nothing_short_of_no_rewrite_passes_the_summary_says_the_guard_undi
     assert first.startswith("  no changes kept: the run-time guard undid ")
     assert set(first.split("undid ")[1].split(" (why")[0].split(", ")) == changed
     assert any("undone: every rewrite" in note for note in report.notes)
+
+
+def test_with_the_callers_feeds_the_rewrite_is_held_on_made_up_feeds_too(monkeypatch):
+    """Calibration feeds that cover a sliver of the input's range give output quantizers too tight for
+    data the model meets: within budget on those feeds, the guard's made-up images (over the input
+    quantizer's whole range) see the clipping and the sites that cost it are undone."""
+    qdq = _nncf_model()
+    narrow = [{"x": np.random.default_rng(i).uniform(0, 0.05, (1, 3, 16, 16)).astype(np.float32)} for i in range(6)]
+    wide = [{"x": np.random.default_rng(100 + i).uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)} for i in range(6)]
+    reference = fidelity.run(guard._unrounded_reference(qdq), wide)
+
+    def cosine(model):
+        return fidelity.scores(reference, fidelity.run(model, wide))["cosine"]
+
+    fixed, report = kenosis_rewrite.fix(qdq, calibration=narrow, return_report=True)
+    assert any("made-up feeds beside the caller's" in note for note in report.notes)
+    held = [r for r in report.refusals if r.rule == "quantize-weighted-outputs" and "at this site" in r.reason]
+    kept = [c for c in report.changes if c.rule == "quantize-weighted-outputs"]
+    assert held and kept  # undone where it clips, kept elsewhere
+    assert cosine(fixed) >= cosine(qdq) - guard.DEFAULT_TOLERANCE
+
+    real = guard.Guard.__post_init__
+
+    def callers_feeds_only(self):
+        self.also_made_up = False
+        real(self)
+
+    monkeypatch.setattr(guard.Guard, "__post_init__", callers_feeds_only)
+    unheld = kenosis_rewrite.fix(qdq, calibration=narrow)
+    assert cosine(unheld) < cosine(qdq) - guard.DEFAULT_TOLERANCE  # what the caller's feeds alone let through
