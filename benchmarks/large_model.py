@@ -35,37 +35,37 @@ import onnx
 from onnx import TensorProto, helper
 
 
-def build(directory: str, layers: int, hidden: int, seed: int = 0) -> str:
-    """``directory/big.onnx`` with every weight in ``directory/big.data``, one tensor in memory at a time."""
+def build(directory: str, layers: int, hidden: int, seed: int = 0, *, bias: bool = True, rank: int = 3,
+          stem: str = "big") -> str:
+    """``directory/{stem}.onnx``: ``layers`` x (MatMul [+ bias Add] -> Relu) of ``hidden`` units on a
+    ``rank``-D input, every weight in ``directory/{stem}.data``, one tensor in memory at a time."""
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
-    nodes, inits, x = [], [], "x"
-    offset = 0
-    with open(os.path.join(directory, "big.data"), "wb") as data:
+    nodes, inits, x, offset = [], [], "x", 0
+    with open(os.path.join(directory, f"{stem}.data"), "wb") as data:
         for i in range(layers):
-            for name, shape in ((f"w{i}", (hidden, hidden)), (f"b{i}", (hidden,))):
+            shapes = [(f"w{i}", (hidden, hidden))] + ([(f"b{i}", (hidden,))] if bias else [])
+            for name, shape in shapes:
                 scale = np.sqrt(2.0 / hidden) if name.startswith("w") else 0.01
                 array = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
                 tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape)
                 tensor.data_location = TensorProto.EXTERNAL
-                for key, value in (("location", "big.data"), ("offset", offset), ("length", array.nbytes)):
+                for key, value in (("location", f"{stem}.data"), ("offset", offset), ("length", array.nbytes)):
                     tensor.external_data.add(key=key, value=str(value))
                 data.write(array.tobytes())
                 offset += array.nbytes
                 inits.append(tensor)
-            nodes += [
-                helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"], name=f"layer{i}/MatMul"),
-                helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"add{i}"], name=f"layer{i}/Add"),
-                helper.make_node("Relu", [f"add{i}"], [f"y{i}"], name=f"layer{i}/Relu"),
-            ]
+            nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"], name=f"layer{i}/MatMul"))
+            if bias:
+                nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"add{i}"], name=f"layer{i}/Add"))
+            nodes.append(helper.make_node("Relu", [nodes[-1].output[0]], [f"y{i}"], name=f"layer{i}/Relu"))
             x = f"y{i}"
-    graph = helper.make_graph(
-        nodes, "big_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, hidden])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 1, hidden])], inits,
-    )
+    shape = [1, hidden] if rank == 2 else [1, 1, hidden]
+    graph = helper.make_graph(nodes, f"{stem}_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, shape)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
-    path = os.path.join(directory, "big.onnx")
+    path = os.path.join(directory, f"{stem}.onnx")
     onnx.save(model, path)
     return path
 

@@ -32,44 +32,9 @@ import sys
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from large_model import _size_gb, measure  # noqa: E402 - the child-process measure, one definition
-
-
-def build(directory: str, layers: int, hidden: int, rank: int, bias: bool, seed: int = 0) -> str:
-    """``directory/mlp.onnx`` with every weight in ``directory/mlp.data``, one tensor in memory at a time."""
-    os.makedirs(directory, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    nodes, inits, x, offset = [], [], "x", 0
-    with open(os.path.join(directory, "mlp.data"), "wb") as data:
-        for i in range(layers):
-            shapes = [(f"w{i}", (hidden, hidden))] + ([(f"b{i}", (hidden,))] if bias else [])
-            for name, shape in shapes:
-                scale = np.sqrt(2.0 / hidden) if name.startswith("w") else 0.01
-                array = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
-                tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape)
-                tensor.data_location = TensorProto.EXTERNAL
-                for key, value in (("location", "mlp.data"), ("offset", offset), ("length", array.nbytes)):
-                    tensor.external_data.add(key=key, value=str(value))
-                data.write(array.tobytes())
-                offset += array.nbytes
-                inits.append(tensor)
-            nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"], name=f"layer{i}/MatMul"))
-            if bias:
-                nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"add{i}"], name=f"layer{i}/Add"))
-            nodes.append(helper.make_node("Relu", [nodes[-1].output[0]], [f"y{i}"], name=f"layer{i}/Relu"))
-            x = f"y{i}"
-    shape = [1, hidden] if rank == 2 else [1, 1, hidden]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, shape)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    path = os.path.join(directory, "mlp.onnx")
-    onnx.save(model, path)
-    return path
-
+from large_model import _size_gb, build, measure  # noqa: E402 - one model writer, one child-process measure
 
 _ORT = """
 import sys
@@ -132,7 +97,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
     d = args.directory
-    path = build(d, args.layers, args.hidden, args.rank, args.bias)
+    path = build(d, args.layers, args.hidden, bias=args.bias, rank=args.rank, stem="mlp")
     steps = {
         "onnxruntime MatMulNBitsQuantizer (symmetric RTN)": ("ort", ["-c", _ORT, path, os.path.join(d, "ort.onnx")]),
         "kenosis quantize_weights (default: scale search)": (
