@@ -189,9 +189,6 @@ class Guard:
         self.levels_note = ""
         self._last_measured: tuple[onnx.ModelProto, list[OutputFidelity]] | None = None
         self.made_up: Guard | None = None
-        if given and self.also_made_up:
-            companion = Guard(self.model, [], self.float_model, self.tolerance)
-            self.made_up = None if companion.unavailable else companion
         for feeds in ([given] if given else _made_up_feeds(self.model)):
             self.feeds = feeds
             failure = self._run_input()
@@ -199,6 +196,9 @@ class Guard:
                 self.unavailable = ""
                 runs = self.input_optimized if self.input_optimized is not None else self.input_plain
                 self.input_fidelity = _fidelities(self.reference, runs)
+                if given and self.also_made_up:  # only once the caller's feeds run: else nothing is checked
+                    companion = Guard(self.model, [], self.float_model, self.tolerance)
+                    self.made_up = None if companion.unavailable else companion
                 return
             if not self.unavailable:  # the first failure says most (the default sizes)
                 self.unavailable = f"the run-time guard could not run the input model ({failure})"
