@@ -455,10 +455,13 @@ def table(records: list[dict], baseline: pathlib.Path | None) -> list[str]:
     return lines
 
 
-def summary(records: list[dict], command: str, baseline: pathlib.Path | None) -> str:
+def summary(records: list[dict], baseline: pathlib.Path | None) -> str:
+    """The table of every record, with the commands that produced them (a rerun of some models or
+    peers leaves the others' JSON files and their commands as they were)."""
+    commands = " and ".join(f"`{c}`" for c in dict.fromkeys(record["command"] for record in records))
     return "\n".join([
         "# fix() of peers' outputs against FP32, on real models no test uses (issue 55)", "",
-        f"Produced by `{command}`; the data is in the JSON files beside it, the models and the preprocessing in",
+        f"Produced by {commands}; the data is in the JSON files beside it, the models and the preprocessing in",
         "the script's docstring and `SOURCES`. Cosines against FP32 on 8 held-out photos: mean over photos and",
         "worst photo, the lowest over the float outputs; Δ: change from the peer's own model; largest fall: the",
         f"largest fall of any one output's mean or worst photo; '0.002': 'over' where that fall is beyond {BUDGET}",
@@ -490,8 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"{source.name}_{peer}.json").write_text(json.dumps(record, indent=1) + "\n")
             print("\n".join(table([record], pathlib.Path(args.baseline) if args.baseline else None)[2:]), flush=True)
     records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    command = "python benchmarks/fix_fidelity_vs_fp32.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = summary(records, command, pathlib.Path(args.baseline) if args.baseline else None)
+    text = summary(records, pathlib.Path(args.baseline) if args.baseline else None)
     (out / "summary.md").write_text(text)
     print(text)
     return 0
