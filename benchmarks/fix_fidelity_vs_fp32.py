@@ -419,7 +419,7 @@ def _guard_budget_fall(entry: dict, base: dict) -> float:
     output of one value per photo by its cosine pooled over the photos (mean and worst alike)."""
     worst = float("-inf")
     for now, was in zip(entry["outputs"], base["outputs"]):
-        pairs = ([(was["pooled_cosine"], now["pooled_cosine"])] if now.get("size", 2) < 8 and "pooled_cosine" in now
+        pairs = ([(was["pooled_cosine"], now["pooled_cosine"])] if now.get("size", 2) < 2 and "pooled_cosine" in now
                  else [(was["mean_cosine"], now["mean_cosine"]), (was["worst_feed_cosine"], now["worst_feed_cosine"])])
         for before, after in pairs:
             worst = max(worst, (before - after) - max(BUDGET, RELATIVE_NOISE_GROWTH * (1.0 - before)))
@@ -467,7 +467,7 @@ def summary(records: list[dict], baseline: pathlib.Path | None) -> str:
         f"largest fall of any one output's mean or worst photo; '0.002': 'over' where that fall is beyond {BUDGET}",
         "('one-value output only': where only outputs of one value per photo fall, whose per-photo cosine is their",
         "sign); 'guard budget': the run-time guard's own test, a fall beyond 0.002 or 5% of the peer's error",
-        "(1 - cosine) where that is larger, an output of fewer than 8 values judged by its cosine pooled over the",
+        "(1 - cosine) where that is larger, an output of one value judged by its cosine pooled over the",
         "photos. Speed: x FP32, interleaved medians on a shared 2-core VM (noisy).", "", *table(records, baseline), ""])
 
 

@@ -245,6 +245,21 @@ def test_an_output_of_few_values_is_compared_over_all_feeds_not_by_its_sign_per_
     assert many.mean == pytest.approx(1.0) and many.worst == pytest.approx(1.0)
 
 
+def test_a_class_score_vector_is_judged_feed_by_feed_not_pooled():
+    """Four class probabilities per feed: one feed's near-tie flips while the confident feeds, which
+    dominate a pooled cosine, stay: the worst feed shows the flip, the pooled cosine would not."""
+    confident = [np.array([[0.97, 0.01, 0.01, 0.01]], np.float32), np.array([[0.01, 0.97, 0.01, 0.01]], np.float32)] * 3
+    reference = [[p] for p in [*confident, np.array([[0.2, 0.05, 0.45, 0.3]], np.float32)]]
+    rewritten = [[r[0].copy()] for r in reference[:-1]] + [[np.array([[0.15, 0.05, 0.33, 0.47]], np.float32)]]
+    [scores] = guard._fidelities(reference, rewritten)
+    flipped = fidelity.cosine(reference[-1][0], rewritten[-1][0])
+    pooled = fidelity.cosine(np.concatenate([r[0].ravel() for r in reference]), np.concatenate([o[0].ravel() for o in rewritten]))
+    assert scores.worst == pytest.approx(flipped) and flipped < 0.95 < pooled
+    # and the guard refuses it: far beyond the budget on that feed
+    check = _bare_guard([1.0], [1.0])
+    assert check._fidelity_violation([scores], set(), check.tolerance) is not None
+
+
 def test_when_nothing_short_of_no_rewrite_passes_the_summary_says_the_guard_undid_every_rule(monkeypatch):
     qdq = _nncf_model()
     _, unguarded = kenosis_rewrite.fix(qdq, verify=False, return_report=True)
