@@ -71,6 +71,10 @@ from kenosis_rewrite.placement.passes.saturation import saturation_bounds
 from kenosis_rewrite.placement.rules.conv_affine_folding import conv_affine
 
 RULE_NAME = "quantize-weighted-outputs"
+# in a change's detail: the quantizer sits on the model's answer (a graph output with no quantizer
+# between); where undoing single rules does not satisfy the run-time guard, it tries them with these
+# sites undone too (placement.guarded)
+ON_THE_ANSWER = "on the model's answer"
 
 
 def _dequantized_params(value: ir.Value | None) -> qdq_params.QuantParams | None:
@@ -347,7 +351,8 @@ class QuantizeWeightedOutputsPass(ReportingPass):
             if self.held(site.value.name):  # the guard's own refusal says why
                 continue
             measured = self.ranges.get(site.value.name)
-            answer = answer_reached(site.value) if measured is not None and one_signed(measured) else None
+            reached = answer_reached(site.value) if measured is not None else None
+            answer = reached if reached and one_signed(measured) else None
             chosen = site_range(site, None if answer else measured)
             if chosen is None and answer:
                 self.refused(where, f"its {site.kind} {site.value.name!r} reaches the graph output {answer!r} with no "
@@ -358,6 +363,8 @@ class QuantizeWeightedOutputsPass(ReportingPass):
             if chosen is None:
                 self.refused(where, f"no range measured for its {site.kind} {site.value.name!r} (pass calibration= feeds)")
                 continue
+            if reached and not answer:
+                chosen = (*chosen[:2], f"{chosen[2]}, {ON_THE_ANSWER} ({reached!r})")
             modified |= self._insert(graph, names, site, *chosen)
         return ir.passes.PassResult(model, modified=modified)
 

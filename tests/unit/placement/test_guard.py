@@ -306,3 +306,31 @@ def test_with_the_callers_feeds_the_rewrite_is_held_on_made_up_feeds_too(monkeyp
     monkeypatch.setattr(guard.Guard, "__post_init__", callers_feeds_only)
     unheld = kenosis_rewrite.fix(qdq, calibration=narrow)
     assert cosine(unheld) < cosine(qdq) - guard.DEFAULT_TOLERANCE  # what the caller's feeds alone let through
+
+
+def test_quantizers_on_the_answer_are_held_after_single_rule_undos_fail():
+    """Where no single rule's undo passes, the output quantizers put on the model's answer are held
+    alone, then with each single rule undone, before several rules are undone whole (the selfie
+    segmenter by NNCF: its mask head's quantizer and per-tensor-activations together cost the budget)."""
+    from kenosis_rewrite.core.report import FixReport
+    from kenosis_rewrite.placement import guarded
+    from kenosis_rewrite.placement.passes import output_quantizers
+
+    rule = output_quantizers.RULE_NAME
+    report = FixReport()
+    report.changed(rule, "conv_inner", "output quantizer over [-3, 3], the measured range", exact=False)
+    report.changed(rule, "conv_head", f"output quantizer over [-894, 150], the measured range, {output_quantizers.ON_THE_ANSWER} ('y')",
+                   exact=False)
+    report.changed("per-tensor-activations", "q1", "per-tensor steps", exact=False)
+    report.sites.update({(rule, "conv_inner"): "inner", (rule, "conv_head"): "head", ("per-tensor-activations", "q1"): "q1"})
+    candidates = guard.candidate_undos(report)
+    ordered = guarded._with_answer_held(candidates, report)
+    head = frozenset({(rule, "head")})
+    singles = [c for c in candidates if len(c) == 1]
+    assert [pair for pair in ordered[:len(singles)]] == [(c, frozenset()) for c in singles]
+    assert ordered[len(singles)] == (frozenset(), head)
+    assert ordered[len(singles) + 1] == (frozenset({"per-tensor-activations"}), head)
+    assert [held for _, held in ordered[len(singles) + 2:]] == [frozenset()] * (len(candidates) - len(singles))
+    # without a quantizer on the answer, the candidates as they were
+    report.changes = [c for c in report.changes if output_quantizers.ON_THE_ANSWER not in c.detail]
+    assert guarded._with_answer_held(guard.candidate_undos(report), report) == [(c, frozenset()) for c in guard.candidate_undos(report)]

@@ -468,3 +468,17 @@ def test_a_measured_range_does_not_clamp_the_models_answer():
         assert "output 'c2' reaches the graph output 'scores'" in refusal and "of one sign only" in refusal
         before, after = (model_checks.outputs(m, obj, optimized=False)[0] for m in (proto, fixed))
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_a_range_of_both_signs_on_the_answer_keeps_its_quantizer_and_says_where_it_is():
+    """Calibration feeds that show the head's scores of both signs: its quantizer clamps only beyond
+    them, and stays; the change says it sits on the model's answer (the guard undoes those first)."""
+    proto = onnx.parser.parse_model(HEAD_MODEL)
+    rng = np.random.default_rng(1)
+    calibration = [{"x": rng.uniform(0, 3, (1, 1, 4, 4)).astype(np.float32)} for _ in range(8)]
+    lo, hi = measure_output_ranges(proto, calibration)["c2"]
+    assert lo < 0 < hi
+    fixed, report = kenosis_rewrite.fix(proto, calibration=calibration, return_report=True, verify=False)
+    [change] = [c for c in report.changes if c.rule == RULE_NAME]
+    assert "on the model's answer ('scores')" in change.detail, report.summary()
+    assert model_checks.ort_optimized_op_types(fixed)["QLinearConv"] == 2
