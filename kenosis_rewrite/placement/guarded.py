@@ -2,7 +2,8 @@
 
 A rewrite the guard rejects is undone and rebuilt: candidate sets of rules are disabled in turn until
 the result passes, then, where one rule was at fault, it is undone only at the sites that cost the
-fidelity (released half by half under the guard). Where the guard is blind (made-up feeds that do not
+fidelity (released half by half under the guard); where no single rule's undo passes, output
+quantizers that sit on the model's answer are held first. Where the guard is blind (made-up feeds that do not
 drive the model), rules whose cost only data shows stay out; where it cannot run the input at all,
 only the rewrites proven exact are applied. A closing round applies the pipeline once more to what
 passed, held to the same guard, so that a second ``fix()`` finds nothing left to do.
