@@ -40,14 +40,6 @@ def _quantized_weight_mac_fraction(model: onnx.ModelProto) -> float:
     return quantized / sum(op.macs for op in ops)
 
 
-def _answer_heads(model: onnx.ModelProto, report) -> tuple[float, int]:
-    """The share of MACs, and the number, of the ops fix() left float because their output reaches a
-    graph output with no quantizer on the way and the calibration feeds showed it of one sign only."""
-    heads = {r.where for r in report.refusals if r.rule == "quantize-weighted-outputs" and "reaches the graph output" in r.reason}
-    ops = explain(model).ops
-    return sum(op.macs for op in ops if op.name in heads) / sum(op.macs for op in ops), len(heads)
-
-
 @pytest.mark.parametrize("name", PEER_OUTPUTS)
 def test_fix_accepts_the_peer_output_runs_it_in_integer_kernels_and_keeps_its_fidelity(name):
     peer = onnx.load(FIXTURES / name)
@@ -59,15 +51,13 @@ def test_fix_accepts_the_peer_output_runs_it_in_integer_kernels_and_keeps_its_fi
     scores = fidelity.compare_to_float(float_model, {"peer": peer, "fixed": fixed}, held_out)
     assert scores["fixed"]["cosine"] >= scores["peer"]["cosine"] - 0.002, report.summary()
     # every Conv/MatMul/Gemm MAC with a quantized weight runs in an integer kernel after fix(),
-    # whatever placement the peer chose (all of them but ModelOpt's small/depthwise convs), except
-    # where the peer left the model's answer unquantized
+    # whatever placement the peer chose (all of them but ModelOpt's small/depthwise convs)
     quantized = _quantized_weight_mac_fraction(peer)
-    head_macs, heads = _answer_heads(peer, report)
-    assert explain(fixed).integer_mac_fraction == pytest.approx(quantized - head_macs), report.summary()
+    assert explain(fixed).integer_mac_fraction == pytest.approx(quantized), report.summary()
     kernels = model_checks.ort_optimized_op_types(fixed)
     assert kernels["QLinearConv"] >= 2, kernels
     if quantized == 1.0:
-        assert kernels["Conv"] + kernels["FusedConv"] == heads and kernels["QLinearConv"] >= 4, kernels
+        assert kernels["Conv"] == 0 and kernels["QLinearConv"] >= 4, kernels
 
 
 def test_quark_xint8_is_unsorted_and_keeps_every_conv_float_until_fix():
