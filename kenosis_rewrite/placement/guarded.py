@@ -77,8 +77,7 @@ def _faithful_fix(
             retry_after = model_io.in_memory_proto(loaded.model)
             if guard.violation(retry_after, retry_report) is not None:
                 continue
-            undone = ", ".join([*sorted(disabled), *([f"{output_quantizers.RULE_NAME} at its {len(answer)} site(s) on the "
-                                                      "model's answer"] if answer else [])])
+            undone = ", ".join([*sorted(disabled), *([_on_the_answer(answer)] if answer else [])])
         held: frozenset = answer
         at_sites = _undone_at_sites(model, target, disabled, kept_out, report, guard, data, answer)
         if at_sites is not None:
@@ -186,8 +185,13 @@ def _undone_at_sites(
     if guard.violation(best[2], best[1]) is not None:  # the choice was checked at one level: now at both
         return None
     pairs = frozenset((rule, site) for site in held) | answer
-    also = f", {output_quantizers.RULE_NAME} at its {len(answer)} site(s) on the model's answer" if answer else ""
+    also = f", {_on_the_answer(answer)}" if answer else ""
     return best, pairs, f"{rule} at {len(held)} of its {len(sites)} sites (kept at the others){also}"
+
+
+def _on_the_answer(answer: frozenset) -> str:
+    """What holding ``answer`` (:func:`_with_answer_held`) undid, in words."""
+    return f"{output_quantizers.RULE_NAME} at its {len(answer)} site(s) on the model's answer"
 
 
 def _with_answer_held(candidates: list[frozenset[str]], report: FixReport) -> list[tuple[frozenset[str], frozenset]]:
