@@ -15,7 +15,9 @@ Per model and peer: the peer quantizes the FP32 model on 16 street/park scenes (
 Each variant is compared with the FP32 model on 8 held-out photos (the zoo's own photos, another
 wheel): per float output, the mean over photos of the cosine and the worst photo's cosine; the row
 keeps the lowest of each over the outputs and the change from the peer's own model ("over": a fall
-beyond 0.002 of the mean or the worst photo of any output, issue 55's budget). Speed: FP32, the
+beyond 0.002 of the mean or the worst photo of any output, issue 55's budget; beside it, whether the
+fall is within the peer model's own rounding noise, :mod:`kenosis_rewrite.placement.rounding_noise`;
+``--rounding-noise-only`` adds that to the records already in ``--out``). Speed: FP32, the
 peer's model and both fix() results timed interleaved in one process (warm-up, medians) at 1 and 2
 threads, as ``x FP32``; with ``--baseline DIR`` (a copy of an earlier run's JSON folder) the share of
 that run's gain over the peer's model that is kept.
@@ -50,6 +52,7 @@ import kenosis_rewrite
 from kenosis_rewrite import zoo
 from kenosis_rewrite.benchmark import peers
 from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.placement import rounding_noise
 from kenosis_rewrite.zoo import preprocess
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -326,7 +329,11 @@ def _deltas(entry: dict, base: dict) -> dict:
     falls = [max(b["mean_cosine"] - e["mean_cosine"], b["worst_feed_cosine"] - e["worst_feed_cosine"])
              for e, b in zip(entry["outputs"], base["outputs"])]
     wide = [fall for fall, e in zip(falls, entry["outputs"]) if e.get("size", 2) > 1]
+    noise = [b.get("rounding_noise") for b in base["outputs"]]
+    over = [(fall, moved) for fall, moved in zip(falls, noise) if fall > BUDGET]
     return {"delta_min_mean_cosine": entry["min_mean_cosine"] - base["min_mean_cosine"],
+            "falls_within_rounding_noise": None if None in noise else all(fall <= moved for fall, moved in over),
+            "rounding_noise_of_falling_outputs": max((moved for _, moved in over), default=None),
             "delta_min_worst_feed_cosine": entry["min_worst_feed_cosine"] - base["min_worst_feed_cosine"],
             "largest_output_fall": max(falls), "over_budget": max(falls) > BUDGET,
             "largest_fall_multi_value_outputs": max(wide, default=0.0),
@@ -346,6 +353,15 @@ def _per_output_extras(reference: list, runs: list) -> list[dict]:
     return extras
 
 
+def add_rounding_noise(entry: dict, model: onnx.ModelProto, reference: list, evaluation: list) -> None:
+    """Each output's rounding noise (:mod:`kenosis_rewrite.placement.rounding_noise`: the most a photo's
+    cosine against FP32 moves when the model's activation scales move by 1e-5), into ``entry``."""
+    noise = rounding_noise.rounding_noise(model, reference, fidelity.run(model, evaluation),
+                                          lambda jittered: fidelity.run(jittered, evaluation))
+    for output, moved in zip(entry["outputs"], noise):
+        output["rounding_noise"] = moved
+
+
 def measure(variants: dict, evaluation: list, threads: list[int], seconds: float) -> dict:
     """Fidelity against FP32 (per output, held-out photos) and interleaved speed of every variant."""
     reference = fidelity.run(variants["fp32"], evaluation)
@@ -361,6 +377,7 @@ def measure(variants: dict, evaluation: list, threads: list[int], seconds: float
                 output.update(extra)
         result[name] = entry
     peer_name = list(variants)[1]
+    add_rounding_noise(result[peer_name], variants[peer_name], reference, evaluation)
     for name in list(variants)[2:]:
         result[name].update(_deltas(result[name], result[peer_name]))
     record_speeds(result, variants, evaluation[0], threads, seconds)
@@ -410,7 +427,29 @@ def _kept(entry: dict, peer_entry: dict, old: dict | None, threads: int) -> str:
 def _flag(entry: dict) -> str:
     if not entry["over_budget"]:
         return ""
-    return "over" if entry.get("over_budget_multi_value_outputs", True) else "over (one-value output only)"
+    flag = "over" if entry.get("over_budget_multi_value_outputs", True) else "over (one-value output only)"
+    if entry.get("falls_within_rounding_noise"):
+        flag += f", within the input's rounding noise ({entry['rounding_noise_of_falling_outputs']:.4f})"
+    return flag
+
+
+def refresh_rounding_noise(out: pathlib.Path, work: pathlib.Path, command: str) -> None:
+    """Add the peers' rounding noise and the fixed variants' comparison with it to the records in
+    ``out`` (their speed and fidelity as they were), and ``command`` to their commands."""
+    for path in sorted(out.glob("*.json")):
+        record = json.loads(path.read_text())
+        variants, peer = record.get("variants", {}), record["peer"]
+        if peer not in variants:
+            continue
+        folder = work / record["model"]
+        evaluation = peers.load_feeds(folder / "evaluation.npz")
+        reference = fidelity.run(onnx.load(str(folder / "fp32.onnx")), evaluation)
+        add_rounding_noise(variants[peer], onnx.load(str(folder / f"{peer}.onnx")), reference, evaluation)
+        for name in [n for n in variants if n not in ("fp32", peer)]:
+            variants[name].update(_deltas(variants[name], variants[peer]))
+        record["commands"] = list(dict.fromkeys([*record.get("commands", [record["command"]]), command]))
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(path.name, [o.get("rounding_noise") for o in variants[peer]["outputs"]], flush=True)
 
 
 def _guard_budget_fall(entry: dict, base: dict) -> float:
@@ -458,7 +497,8 @@ def table(records: list[dict], baseline: pathlib.Path | None) -> list[str]:
 def summary(records: list[dict], baseline: pathlib.Path | None) -> str:
     """The table of every record, with the commands that produced them (a rerun of some models or
     peers leaves the others' JSON files and their commands as they were)."""
-    commands = " and ".join(f"`{c}`" for c in dict.fromkeys(record["command"] for record in records))
+    commands = " and ".join(f"`{c}`" for c in dict.fromkeys(
+        c for record in records for c in record.get("commands", [record["command"]])))
     return "\n".join([
         "# fix() of peers' outputs against FP32, on real models no test uses (issue 55)", "",
         f"Produced by {commands}; the data is in the JSON files beside it, the models and the preprocessing in",
@@ -466,7 +506,10 @@ def summary(records: list[dict], baseline: pathlib.Path | None) -> str:
         "worst photo, the lowest over the float outputs; Δ: change from the peer's own model; largest fall: the",
         f"largest fall of any one output's mean or worst photo; '0.002': 'over' where that fall is beyond {BUDGET}",
         "('one-value output only': where only outputs of one value per photo fall, whose per-photo cosine is their",
-        "sign); 'guard budget': the run-time guard's own test, a fall beyond 0.002 or 5% of the peer's error",
+        "sign; 'within the input's rounding noise (N)': every such fall is at most N, the most a photo's cosine of that",
+        "output moves in the peer's own model when its activation scales move by 1e-5, i.e. when at most about 1 in",
+        "800 of its roundings flip: `kenosis_rewrite.placement.rounding_noise`); 'guard budget': the run-time",
+        "guard's own test, a fall beyond 0.002 or 5% of the peer's error",
         "(1 - cosine) where that is larger, an output of one value judged by its cosine pooled over the",
         "photos. Speed: x FP32, interleaved medians on a shared 2-core VM (noisy).", "", *table(records, baseline), ""])
 
@@ -481,8 +524,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tf2onnx-python", default=os.environ.get("KENOSIS_TF2ONNX_PYTHON"))
     parser.add_argument("--out", default=str(OUT), help="folder of the JSON files and summary.md")
     parser.add_argument("--baseline", help="an earlier run's --out folder: report the share of its speed gain kept")
+    parser.add_argument("--rounding-noise-only", action="store_true",
+                        help="only add the peers' rounding noise to the records in --out (models and peers in --work)")
     args = parser.parse_args(argv)
-    sources = [_zoo_source(m[4:]) if m.startswith("zoo:") else SOURCES[m] for m in (args.models or list(SOURCES))]
+    if args.rounding_noise_only:
+        refresh_rounding_noise(pathlib.Path(args.out), pathlib.Path(args.work),
+                               "python benchmarks/fix_fidelity_vs_fp32.py " + " ".join(sys.argv[1:]))
+    sources = [] if args.rounding_noise_only else [
+        _zoo_source(m[4:]) if m.startswith("zoo:") else SOURCES[m] for m in (args.models or list(SOURCES))]
     out = pathlib.Path(args.out)
     if args.baseline and pathlib.Path(args.baseline).resolve() == out.resolve():
         parser.error("--baseline must be a copy of an earlier run's folder, not --out (this run overwrites it)")

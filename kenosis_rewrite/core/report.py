@@ -103,8 +103,14 @@ class FixReport:
         lines = [f"  fidelity against {self.guard_fidelity['yardstick']}, on {self.guard_fidelity['feeds']}:"]
         for output in self.guard_fidelity["outputs"]:
             before, after = output["input"], output["fixed"]
+            noise = output.get("input_rounding_noise")
             lines.append(f"    {output['output']}: mean cosine {before['mean_cosine']:.5f} -> {after['mean_cosine']:.5f}, "
-                         f"worst feed {before['worst_feed_cosine']:.5f} -> {after['worst_feed_cosine']:.5f}")
+                         f"worst feed {before['worst_feed_cosine']:.5f} -> {after['worst_feed_cosine']:.5f}"
+                         + (f" (input's rounding noise {noise:.5f})" if noise is not None else ""))
+        if any(output.get("input_rounding_noise") is not None for output in self.guard_fidelity["outputs"]):
+            lines.append("    rounding noise: the most a feed's cosine of the input moves when at most about 1 in 800 of its "
+                         "roundings flip (activation scales x(1 +- 1e-5)); a change smaller than it is not decidable "
+                         "on these feeds")
         return lines
 
     def _no_changes_line(self) -> str:

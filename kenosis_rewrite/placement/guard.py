@@ -35,6 +35,7 @@ from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.dequantize import remove_qdq_pair
+from kenosis_rewrite.placement import rounding_noise
 from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
 
 __all__ = ["BLIND_COSINE", "DEFAULT_TOLERANCE", "Guard", "OutputFidelity", "candidate_undos", "cosine_floor"]
@@ -267,9 +268,21 @@ class Guard:
         names = [output.name for output in self.model.graph.output]
         floats = [name for name, value in zip(names, self.reference[0]) if np.issubdtype(np.asarray(value).dtype, np.floating)]
         feeds = f"{len(self.feeds)} {'calibration' if self.given else 'made-up'} feeds"
-        outputs = [{"output": name, "input": before.as_dict(), "fixed": now.as_dict()}
-                   for name, before, now in zip(floats, self.input_fidelity, after)]
+        noise = self._input_rounding_noise() or [None] * len(floats)
+        outputs = [{"output": name, "input": before.as_dict(), "fixed": now.as_dict(), "input_rounding_noise": moved}
+                   for name, before, now, moved in zip(floats, self.input_fidelity, after, noise)]
         return {"yardstick": self.yardstick, "feeds": feeds, "outputs": outputs}
+
+    def _input_rounding_noise(self) -> list[float] | None:
+        """Per float output, how far the input's own cosine moves on these feeds when a few of its
+        roundings flip (:mod:`kenosis_rewrite.placement.rounding_noise`); None where it cannot run."""
+        optimized = self.input_optimized is not None
+        runs = self.input_optimized if optimized else self.input_plain
+        try:
+            return rounding_noise.rounding_noise(self.model, self.reference, runs,
+                                                 lambda model: _outputs(model, self.feeds, optimized=optimized))
+        except Exception:  # noqa: BLE001 - a model the jitter cannot rewrite or run: not reported
+            return None
 
     def blindness(self) -> str | None:
         """Why the guard's cosines say nothing about accuracy on data, or None: the feeds are made up

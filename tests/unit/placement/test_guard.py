@@ -198,9 +198,11 @@ def test_the_report_says_which_yardstick_held_the_rewrite_and_the_fidelity_befor
             for key in ("input", "fixed"):
                 assert 0.9 < output[key]["worst_feed_cosine"] <= output[key]["mean_cosine"] <= 1.0 + 1e-9
             assert output["fixed"]["mean_cosine"] >= output["input"]["mean_cosine"] - guard.DEFAULT_TOLERANCE
+            # the input's own rounding noise on these feeds: a number, small for this smooth model
+            assert 0.0 <= output["input_rounding_noise"] < guard.DEFAULT_TOLERANCE
         text = str(report)
         assert f"fidelity against {summary['yardstick']}, on 4 calibration feeds:" in text
-        assert "ya: mean cosine" in text and "worst feed" in text
+        assert "ya: mean cosine" in text and "worst feed" in text and "(input's rounding noise 0.0" in text
         assert report.to_dict()["guard_fidelity"] == summary
 
 
