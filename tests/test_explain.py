@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kenosis_rewrite.core import ort_quantize
 from kenosis_rewrite.diagnosis.explain import (
     R_ACTIVATION,
+    R_BIAS_TYPE,
     R_FANOUT,
     R_GRAPH_OUTPUT,
     R_INT8_NO_Q,
@@ -58,7 +59,7 @@ def _ints(count: int, lo: int, hi: int) -> str:
 
 def conv_qdq(
     *, xt="uint8", xz=128, yt=None, yz=None, act="", ys=0.05, xs=0.02, bias_scale=None, bias="dq",
-    out_q=True, x_int_input=False, fanout=False, w_axis="", wz="0", w_scale="0.01",
+    out_q=True, x_int_input=False, fanout=False, w_axis="", wz="0", w_scale="0.01", bias_type="int32",
 ) -> onnx.ModelProto:
     """``x -> Q -> DQ -> Conv3x3(DQ w, DQ b) [-> act] -> Q -> DQ -> y`` on [1,4,8,8], written in ONNX text."""
     yt, yz = yt or xt, xz if yz is None else yz
@@ -86,7 +87,7 @@ def conv_qdq(
     text = f"""<ir_version: 9, opset_import: ["" : 21]>
 conv ({x_decl}) => ({outputs})
 <float xs = {{{xs}}}, {xt} xz = {{{xz}}}, int8[4,4,3,3] w = {{{_ints(144, -60, 60)}}},
- float{w_decl} ws = {{{w_scale}}}, int8{w_decl} wz = {{{wz}}}, int32[4] b = {{{_ints(4, -100, 100)}}},
+ float{w_decl} ws = {{{w_scale}}}, int8{w_decl} wz = {{{wz}}}, {bias_type}[4] b = {{{_ints(4, -100, 100)}}},
  float bs = {{{bs}}}, float[4] bf = {{0.1, 0.2, 0.3, 0.4}}, float ys = {{{ys}}}, {yt} yz = {{{yz}}},
  float lo = {{0.0}}, float hi = {{6.0}}>
 {{
@@ -209,6 +210,8 @@ def test_hand_built_conv_fuses(kwargs):
         ({"act": "Relu(c)", "yz": 128}, R_ZP_NOT_QMIN, "fold-relu-island", "zero point 128"),
         ({"act": "Clip(c, lo, hi)", "yz": 0, "ys": 0.05}, R_ZP_NOT_QMIN, "fold-clip-island", "not redundant"),
         ({"bias_scale": 0.0003}, R_STALE_BIAS, "requantize-stale-bias", "0.0003"),
+        # Quark's XINT8 preset: an int8 bias with its own scale (even at input x weight scale)
+        ({"bias_type": "int8"}, R_BIAS_TYPE, "requantize-stale-bias", "the bias is int8"),
         ({"xt": "int8", "xz": 0, "fanout": True}, R_FANOUT, "activation-int8-to-uint8", "read by 2 ops"),
         ({"xt": "int8", "xz": 0, "x_int_input": True}, R_INT8_NO_Q, "activation-int8-to-uint8", "'x'"),
         ({"xt": "int16", "xz": 0}, R_UNSUPPORTED_TYPE, None, "int16"),
@@ -217,7 +220,7 @@ def test_hand_built_conv_fuses(kwargs):
         ({"act": "LeakyRelu(c)"}, R_ACTIVATION, None, "LeakyRelu"),
         ({"act": "Sigmoid(c)"}, R_ACTIVATION, None, "Sigmoid"),
     ],
-    ids=["relu-zp-mid", "clip-too-wide", "stale-bias", "int8-fanout", "int8-graph-input", "int16",
+    ids=["relu-zp-mid", "clip-too-wide", "stale-bias", "int8-bias", "int8-fanout", "int8-graph-input", "int16",
          "no-output-q", "relu-graph-output", "leakyrelu-before-q", "sigmoid-before-q"],
 )
 def test_hand_built_conv_float_reason(kwargs, reason, rule, fragment):

@@ -33,6 +33,7 @@ from kenosis_rewrite.diagnosis.float_reasons import (  # noqa: F401 - re-exporte
     NO_QDQ_FUSION_OPS,
     R_ACTIVATION,
     R_ACTIVATION_PRODUCT,
+    R_BIAS_TYPE,
     R_DTYPE,
     R_FANOUT,
     R_GRAPH_OUTPUT,
