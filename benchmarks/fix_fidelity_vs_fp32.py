@@ -52,11 +52,10 @@ import kenosis_rewrite
 from kenosis_rewrite import zoo
 from kenosis_rewrite.benchmark import peers
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.placement import rounding_noise
 from kenosis_rewrite.zoo import preprocess
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from fix_without_data import _fidelity, record_speeds  # noqa: E402 - the per-output mean/worst cosines, one definition
+from fix_without_data import _fidelity, add_rounding_noise, record_speeds  # noqa: E402 - one definition of each
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks" / "fix_fidelity" / "real_models"
@@ -351,15 +350,6 @@ def _per_output_extras(reference: list, runs: list) -> list[dict]:
                                  np.concatenate([np.ravel(o[index]) for o in runs]))
         extras.append({"size": int(np.asarray(reference[0][index]).size), "pooled_cosine": float(pooled)})
     return extras
-
-
-def add_rounding_noise(entry: dict, model: onnx.ModelProto, reference: list, evaluation: list) -> None:
-    """Each output's rounding noise (:mod:`kenosis_rewrite.placement.rounding_noise`: the most a photo's
-    cosine against FP32 moves when the model's activation scales move by 1e-5), into ``entry``."""
-    noise = rounding_noise.rounding_noise(model, reference, fidelity.run(model, evaluation),
-                                          lambda jittered: fidelity.run(jittered, evaluation))
-    for output, moved in zip(entry["outputs"], noise):
-        output["rounding_noise"] = moved
 
 
 def measure(variants: dict, evaluation: list, threads: list[int], seconds: float) -> dict:

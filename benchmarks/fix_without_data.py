@@ -27,6 +27,7 @@ from kenosis_rewrite.benchmark.pages import save_variants_record, variants_recor
 from kenosis_rewrite.benchmark.peers import quantize_with_peer
 from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.core.ort_quantize import ORT_CONFIGS
+from kenosis_rewrite.placement import rounding_noise
 
 
 def _fidelity(reference: list, outputs: list) -> dict:
@@ -53,6 +54,24 @@ def record_speeds(result: dict, variants: dict, feed: dict, threads: list[int], 
         for name, stat in stats.items():
             result[name][f"median_ms_{count}t"] = stat.median_ms
             result[name][f"x_fp32_{count}t"] = stats["fp32"].median_ms / stat.median_ms
+
+
+def add_rounding_noise(entry: dict, model: onnx.ModelProto, reference: list, evaluation: list) -> None:
+    """Each output's rounding noise (:mod:`kenosis_rewrite.placement.rounding_noise`: the most a photo's
+    cosine against FP32 moves when the model's activation scales move by 1e-5), into ``entry``."""
+    noise = rounding_noise.rounding_noise(model, reference, fidelity.run(model, evaluation),
+                                          lambda jittered: fidelity.run(jittered, evaluation))
+    for output, moved in zip(entry["outputs"], noise):
+        output["rounding_noise"] = moved
+
+
+def _peer_failure(model: onnx.ModelProto) -> str | None:
+    """Why ONNX Runtime cannot run the peer's model as written (Quark's opset-9 Q/DQ), or None."""
+    try:
+        fidelity.session(model, True, 1)
+    except Exception as error:  # noqa: BLE001 - the reason is the finding
+        return str(error).splitlines()[0][:300]
+    return None
 
 
 def _peer_model(peer: str, model_name: str, float_model, calibration, cache: str | None):
@@ -93,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.peer}+fix(calibration=)": with_data}
     reference = fidelity.run(float_model, evaluation)
     result = variants_record("fix_without_data", args.model, "benchmarks/fix_without_data.py", sys.argv[1:], peer=args.peer)
+    failure = _peer_failure(peer)
+    if failure is not None:  # fix() may still make it run: the row says so, with no baseline
+        result["peer_does_not_run"] = failure
+        del variants[args.peer]
     for name, model in variants.items():
         entry = {"integer_mac_fraction": kenosis_rewrite.explain(model).integer_mac_fraction}
         if name != "fp32":
             entry.update(_fidelity(reference, fidelity.run(model, evaluation)))
         result["variants"][name] = entry
+    if failure is None:
+        add_rounding_noise(result["variants"][args.peer], peer, reference, evaluation)
     record_speeds(result["variants"], variants, evaluation[0], [int(t) for t in args.threads.split(",")], args.min_seconds)
     result["notes"] = {"fix()": no_data_report.notes, "fix(calibration=)": with_data_report.notes}
     save_variants_record(result, args.json)
