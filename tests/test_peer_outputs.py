@@ -85,9 +85,6 @@ def test_nncf_sppf_and_neck_run_integer_after_fix_without_requantizing_the_unifi
     shared scale: every Conv integer, no new quantizer at any Concat."""
     peer = onnx.load(FIXTURES / "sppfish_nncf3.4.onnx")
     assert model_checks.ort_optimized_op_types(peer)["QLinearConv"] == 0
-    # explain() names the blockers and the rules that lift them (an int8 bias first where there is no Clip)
-    reasons = {(op.reason, op.fixing_rule) for op in explain(peer).ops}
-    assert ("bias not int32", "requantize-stale-bias") in reasons and not any(r.startswith("unknown") for r, _ in reasons)
     fixed, report = fix(peer, calibration=_feeds(1), return_report=True)
     counts = report.change_counts()
     assert counts["move-dq-forward"] >= 5, report.summary()  # three MaxPools and two Concats

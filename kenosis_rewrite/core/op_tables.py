@@ -8,7 +8,7 @@ that look alike but hold different ops answer different questions, and their nam
 from __future__ import annotations
 
 __all__ = [
-    "AFFINE_OPS", "DATA_MOVEMENT_OPS", "DEFAULT_DOMAINS", "DEQUANTIZE", "ORDER_PRESERVING_OPS",
+    "AFFINE_OPS", "DATA_MOVEMENT_OPS", "DEFAULT_DOMAINS", "DEQUANTIZE", "INTEGER_WITH_FLOAT_OUTPUT_OPS", "ORDER_PRESERVING_OPS",
     "ORT_ABSORBED_ACTIVATIONS", "PER_AXIS_OPSET", "QDQ_COMMUTING_OPS", "QUANTIZE", "VALUE_SELECTING_OPS",
     "WEIGHTED_OPS",
 ]
@@ -21,6 +21,10 @@ PER_AXIS_OPSET = 13  # QuantizeLinear/DequantizeLinear's axis attribute (per-axi
 # Ops whose second input is a weight (a constant that quantizers quantize as weights): the heavy ops of
 # a model, which ORT CPU runs as integer kernels (QLinearConv, QLinearMatMul, QGemm, ...) where it can.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+# Weighted ops ORT CPU runs as integer kernels with a float output when no Q follows them
+# (MatMulIntegerToFloat, QGemm): an output quantizer adds a rounding and no integer MACs.
+INTEGER_WITH_FLOAT_OUTPUT_OPS = frozenset({"MatMul", "Gemm"})
 
 # Elementwise binary arithmetic an affine map ``a * x + c`` is written with (per-channel ``a``, ``c``
 # fold into a Conv's or Gemm's weights and bias); in the order rules are built for them.

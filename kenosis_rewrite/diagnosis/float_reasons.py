@@ -24,7 +24,7 @@ NO_INTEGER_KERNEL_ACTIVATIONS = frozenset(
 # Activations ORT absorbs into QLinearConv/QLinearMatMul/QGemm when the next Q makes them redundant.
 ABSORBABLE_ACTIVATIONS = op_tables.ORT_ABSORBED_ACTIVATIONS
 # Heavy ops ORT fuses without an output Q (MatMulIntegerToFloat, QGemm with float output).
-FLOAT_OUTPUT_OK = frozenset({"MatMul", "Gemm"})
+FLOAT_OUTPUT_OK = op_tables.INTEGER_WITH_FLOAT_OUTPUT_OPS
 # Heavy ops ORT CPU never fuses from QDQ (measured: DQ -> ConvTranspose -> Q stays float).
 NO_QDQ_FUSION_OPS = frozenset({"ConvTranspose"})
 EIGHT_BIT_ONNX = (onnx.TensorProto.UINT8, onnx.TensorProto.INT8)

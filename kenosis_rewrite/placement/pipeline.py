@@ -124,7 +124,7 @@ def _output_ranges(before: onnx.ModelProto | None, target: str, calibration: lis
         unbounded = len({site.op.name for site in sites if output_quantizers.site_range(site, None) is None})
         if unbounded:
             report_notes.append(
-                f"{output_quantizers.RULE_NAME}: {unbounded} Conv/MatMul/Gemm output(s) reach no quantizer, so ORT "
+                f"{output_quantizers.RULE_NAME}: {unbounded} Conv output(s) reach no quantizer, so ORT "
                 "runs them in float; pass calibration= feeds to give them measured output quantizers"
             )
         return {}
