@@ -34,8 +34,9 @@ without a Q after the Conv it runs it in float on dequantized tensors. A MatMul 
 output quantizer: ORT runs it as an integer kernel with a float output (MatMulIntegerToFloat, QGemm),
 so one would add a rounding and no integer MACs (ViT-S by NNCF, fix(calibration=16 scenes): with
 quantizers on its 60 MatMul outputs 1.56x FP32 and -0.0125 on the worst of 40 photos against FP32;
-without, 1.64x and -0.0010); only a Concat feeding one (its input) gets a quantizer. OpenVINO fuses Conv with the activation after it, so NNCF places no Q there; on ORT CPU a
-PP-LCNet quantized by NNCF 3.4 runs every Conv in float (explain(): 0% integer MACs).
+without, 1.64x and -0.0010); only a Concat feeding one (its input) gets a quantizer. OpenVINO fuses
+Conv with the activation after it, so NNCF places no Q there; on ORT CPU a PP-LCNet quantized by
+NNCF 3.4 runs every Conv in float (explain(): 0% integer MACs).
 
 Exactness: approximate. One rounding step more: at most one step ``s`` of the new grid per element
 inside the range (half a step of rounding, and up to half a step where the zero point's rounding
@@ -46,8 +47,8 @@ result against FP32 (or the input without its activation roundings) and, where i
 its tolerance, undoes the quantizers at the sites that cost it (each site is the tensor's name).
 
 Left alone: a MatMul's or Gemm's output (above); an op whose output already reaches a Q (directly
-or through a Relu/Clip), is a graph output, or has neither a measured range nor saturation bounds; ops whose data input is not a per-tensor 8-bit DQ;
-and a measured range of one sign where the tensor reaches a graph output with no quantizer on the way
+or through a Relu/Clip), is a graph output, or has neither a measured range nor saturation bounds;
+ops whose data input is not a per-tensor 8-bit DQ; and a measured range of one sign where the tensor reaches a graph output with no quantizer on the way
 (:func:`answer_reached`): the grid then ends at 0, so every value of the other sign in the model's
 answer, which the calibration feeds never showed, becomes 0. A score head calibrated on data without
 its objects is such a range: MediaPipe's face detector by NNCF on 16 street scenes measured
