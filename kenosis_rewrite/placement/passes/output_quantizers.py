@@ -46,16 +46,17 @@ its slope: HardSwish <= 1.5 on its range, HardSigmoid ``alpha``). ``fix()``'s ru
 result against FP32 (or the input without its activation roundings) and, where it costs more than
 its tolerance, undoes the quantizers at the sites that cost it (each site is the tensor's name).
 
-Left alone: a MatMul's or Gemm's output (above); an op whose output already reaches a Q (directly
-or through a Relu/Clip), is a graph output, or has neither a measured range nor saturation bounds;
-ops whose data input is not a per-tensor 8-bit DQ; and a measured range of one sign where the
-tensor reaches a graph output with no quantizer on the way (:func:`answer_reached`): the grid then ends at 0, so every value of the other sign in the model's
-answer, which the calibration feeds never showed, becomes 0. A score head calibrated on data without
-its objects is such a range: MediaPipe's face detector by NNCF on 16 street scenes measured
-``[-6.2, 0]`` at its score heads, every positive face score became 0 (-0.0025 mean cosine against FP32
-on 8 photos of faces; the face mesh's presence score, YOLOv8's class logits the same). A range of both
-signs keeps its quantizer: it clamps only beyond what the feeds showed, and a score's threshold lies
-inside it (PicoDet's heads, 6% of its MACs, stay integer).
+Left alone: a MatMul's or Gemm's output (above); an op whose output already reaches a Q (directly or
+through a Relu/Clip), is a graph output, or has neither a measured range nor saturation bounds; ops
+whose data input is not a per-tensor 8-bit DQ; and a measured range of one sign where the tensor
+reaches a graph output with no quantizer on the way (:func:`answer_reached`): the grid then ends at
+0, so every value of the other sign in the model's answer, which the calibration feeds never showed,
+becomes 0. A score head calibrated on data without its objects is such a range: MediaPipe's face
+detector by NNCF on 16 street scenes measured ``[-6.2, 0]`` at its score heads, every positive face
+score became 0 (-0.0025 mean cosine against FP32 on 8 photos of faces; the face mesh's presence
+score, YOLOv8's class logits the same). A range of both signs keeps its quantizer: it clamps only
+beyond what the feeds showed, and a score's threshold lies inside it (PicoDet's heads, 6% of its
+MACs, stay integer).
 """
 
 from __future__ import annotations
