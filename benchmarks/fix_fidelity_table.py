@@ -33,14 +33,28 @@ def _delta(variants: dict, peer: str, variant: str) -> tuple[float, float] | Non
     return entry["min_mean_cosine"] - base["min_mean_cosine"], entry["min_worst_feed_cosine"] - base["min_worst_feed_cosine"]
 
 
+def output_falls(outputs: list[dict], base: list[dict]) -> list[tuple[float, float | None]]:
+    """Per output: how far its mean or worst-photo cosine fell from ``base`` to ``outputs``, whichever
+    fell more, and ``base``'s rounding noise on it where recorded (``fix_without_data.add_rounding_noise``)."""
+    return [(max(b["mean_cosine"] - a["mean_cosine"], b["worst_feed_cosine"] - a["worst_feed_cosine"]),
+             b.get("rounding_noise")) for a, b in zip(outputs, base)]
+
+
+def within_rounding_noise(falls: list[tuple[float, float | None]], budget: float) -> tuple[bool | None, float | None]:
+    """Whether every fall beyond ``budget`` is within its output's rounding noise (None where the noise
+    of an output is not recorded), and the largest noise among those outputs (None where none falls)."""
+    over = [(fall, noise) for fall, noise in falls if fall > budget]
+    within = None if any(noise is None for _, noise in falls) else all(fall <= noise for fall, noise in over)
+    return within, max((noise for _, noise in over), default=None)
+
+
 def _falls(variants: dict, peer: str, variant: str) -> list[tuple[float, float | None]] | None:
-    """Per output: the fall of its mean or worst-photo cosine, whichever is larger, and the peer's
-    rounding noise on it where recorded (None without per-output data)."""
+    """Per output: its fall and the peer's rounding noise on it (:func:`output_falls`;
+    None without per-output data)."""
     after, before = variants[variant].get("outputs"), variants[peer].get("outputs")
     if not after or not before or len(after) != len(before):
         return None
-    return [(max(b["mean_cosine"] - a["mean_cosine"], b["worst_feed_cosine"] - a["worst_feed_cosine"]),
-             b.get("rounding_noise")) for a, b in zip(after, before)]
+    return output_falls(after, before)
 
 
 def _flag(falls: list[tuple[float, float | None]] | None, fall: float) -> str:
@@ -48,10 +62,8 @@ def _flag(falls: list[tuple[float, float | None]] | None, fall: float) -> str:
     is within it."""
     if fall <= BUDGET:
         return ""
-    over = [(f, noise) for f, noise in falls or [] if f > BUDGET]
-    if over and all(noise is not None and f <= noise for f, noise in over):
-        return f"over, within the input's rounding noise ({max(noise for _, noise in over):.4f})"
-    return "over"
+    within, noise = within_rounding_noise(falls or [], BUDGET)
+    return f"over, within the input's rounding noise ({noise:.4f})" if within and noise is not None else "over"
 
 
 def _kept(after: dict, before: dict | None, peer: str, threads: int) -> str:

@@ -55,6 +55,7 @@ from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.zoo import preprocess
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from fix_fidelity_table import output_falls, within_rounding_noise  # noqa: E402 - one definition of each
 from fix_without_data import _fidelity, add_rounding_noise, record_speeds  # noqa: E402 - one definition of each
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -325,14 +326,12 @@ def _deltas(entry: dict, base: dict) -> dict:
     """The change against the peer's own model: of the lowest mean and lowest worst-photo cosine over
     the outputs, and the largest fall of any one output's mean or worst photo (issue 55's test), also
     over the outputs of more than one value only (a one-value output's per-photo cosine is its sign)."""
-    falls = [max(b["mean_cosine"] - e["mean_cosine"], b["worst_feed_cosine"] - e["worst_feed_cosine"])
-             for e, b in zip(entry["outputs"], base["outputs"])]
+    pairs = output_falls(entry["outputs"], base["outputs"])
+    falls = [fall for fall, _ in pairs]
     wide = [fall for fall, e in zip(falls, entry["outputs"]) if e.get("size", 2) > 1]
-    noise = [b.get("rounding_noise") for b in base["outputs"]]
-    over = [(fall, moved) for fall, moved in zip(falls, noise) if fall > BUDGET]
+    within, noise = within_rounding_noise(pairs, BUDGET)
     return {"delta_min_mean_cosine": entry["min_mean_cosine"] - base["min_mean_cosine"],
-            "falls_within_rounding_noise": None if None in noise else all(fall <= moved for fall, moved in over),
-            "rounding_noise_of_falling_outputs": max((moved for _, moved in over), default=None),
+            "falls_within_rounding_noise": within, "rounding_noise_of_falling_outputs": noise,
             "delta_min_worst_feed_cosine": entry["min_worst_feed_cosine"] - base["min_worst_feed_cosine"],
             "largest_output_fall": max(falls), "over_budget": max(falls) > BUDGET,
             "largest_fall_multi_value_outputs": max(wide, default=0.0),

@@ -45,7 +45,7 @@ _FEEDS = 4
 
 def per_output_cosines(reference: list, runs: list) -> list[float | None]:
     """Each output's mean cosine over the feeds (None for outputs that are not float or have fewer
-    than ``fidelity.FEW_VALUES`` values: scores and flags, which the guard judges pooled)."""
+    than ``fidelity.FEW_VALUES`` values: scores and flags, too few values for a per-feed cosine)."""
     return [None if np.asarray(value).size < fidelity.FEW_VALUES else cosine
             for value, cosine in zip(reference[0], fidelity.mean_cosines(reference, runs))]
 

@@ -309,6 +309,28 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 FEW_VALUES = 8
 
 
+# an output of one value per feed is a score or a flag: a feed's cosine of it is its sign, so it is
+# judged pooled over the feeds. From two values on, feed by feed: a 4-class orientation classifier
+# (PP-LCNet by NNCF, fix(calibration=16 scenes)) judged pooled kept rewrites that moved its worst of 24
+# object photos from 0.979 to 0.930 against FP32; judged per feed, 0.964 (on 40 photos mixed: the mean
+# up 0.0007, another photo down 0.018)
+POOLED_BELOW = 2
+
+
+def feed_cosines(reference: Sequence[Sequence[np.ndarray]], outputs: Sequence[Sequence[np.ndarray]]) -> list[list[float]]:
+    """Per float output, its cosine against the reference on each feed; an output of fewer than
+    :data:`POOLED_BELOW` values on every feed, one cosine over all feeds at once."""
+    found = []
+    for index in range(len(reference[0])):
+        if not np.issubdtype(np.asarray(reference[0][index]).dtype, np.floating):
+            continue
+        pairs = [(np.asarray(r[index]), np.asarray(o[index])) for r, o in zip(reference, outputs)]
+        if all(r.size < POOLED_BELOW for r, _ in pairs):
+            pairs = [(np.concatenate([r.ravel() for r, _ in pairs]), np.concatenate([o.ravel() for _, o in pairs]))]
+        found.append([cosine(r, o) for r, o in pairs])
+    return found
+
+
 def mean_cosines(reference: Sequence[Sequence[np.ndarray]], outputs: Sequence[Sequence[np.ndarray]]) -> list[float | None]:
     """Each output's cosine against the reference, feed by feed, averaged over the feeds (None where
     the output is not float)."""

@@ -97,26 +97,12 @@ def _outputs(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]], 
     return fidelity.each_run(fidelity.session(model, optimized, at_once), feeds, at_once)
 
 
-# an output of one value per feed is a score or a flag: a feed's cosine of it is its sign, so it is
-# judged pooled over the feeds. From two values on, feed by feed: a 4-class orientation classifier
-# (PP-LCNet by NNCF, fix(calibration=16 scenes)) judged pooled kept rewrites that moved its worst of 24
-# object photos from 0.979 to 0.930 against FP32; judged per feed, 0.964 (on 40 photos mixed: the mean
-# up 0.0007, another photo down 0.018)
-_POOLED_BELOW = 2
-
-
 def _fidelities(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]]) -> list[OutputFidelity]:
-    """Each float output's cosines against the reference, feed by feed: their mean and the worst
-    (NaN where an output is not finite: it fails every floor); an output of one value per feed, over
-    all feeds at once (mean and worst alike: a feed's cosine of one value is its sign)."""
+    """Each float output's cosines against the reference, feed by feed (:func:`fidelity.feed_cosines`:
+    an output of one value per feed over all feeds at once): their mean and the worst (NaN where an
+    output is not finite: it fails every floor)."""
     found = []
-    for index in range(len(reference[0])):
-        if not np.issubdtype(np.asarray(reference[0][index]).dtype, np.floating):
-            continue
-        pairs = [(np.asarray(r[index]), np.asarray(o[index])) for r, o in zip(reference, outputs)]
-        if all(r.size < _POOLED_BELOW for r, _ in pairs):
-            pairs = [(np.concatenate([r.ravel() for r, _ in pairs]), np.concatenate([o.ravel() for _, o in pairs]))]
-        per_feed = [fidelity.cosine(r, o) for r, o in pairs]
+    for per_feed in fidelity.feed_cosines(reference, outputs):
         worst = float("nan") if any(np.isnan(c) for c in per_feed) else min(per_feed)
         found.append(OutputFidelity(float(np.mean(per_feed)), worst))
     return found

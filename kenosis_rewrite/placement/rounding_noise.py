@@ -19,7 +19,7 @@ it does not relax the guard's budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -57,29 +57,16 @@ def rounding_noise(model: onnx.ModelProto, reference: list[list[np.ndarray]], ru
     """Per float output, the largest move of any feed's cosine against ``reference`` when the model's
     activation scales are jittered by ``+-JITTER``: ``runs`` are the model's own outputs on those
     feeds, ``run`` runs a model on them. An output of one value per feed (a score, whose per-feed
-    cosine is its sign) by its cosine pooled over the feeds."""
-    moved: list[float] = []
+    cosine is its sign) by its cosine pooled over the feeds (:func:`fidelity.feed_cosines`)."""
+    before = fidelity.feed_cosines(reference, runs)
+    moved = []
     for relative in (JITTER, -JITTER):
-        jittered = run(jittered_scales(model, relative))
-        for position, change in enumerate(_cosine_moves(reference, runs, jittered)):
-            if position == len(moved):
-                moved.append(change)
-            else:
-                moved[position] = max(moved[position], change)
-    return moved
+        after = fidelity.feed_cosines(reference, run(jittered_scales(model, relative)))
+        moved.append([_largest_move(was, now) for was, now in zip(before, after)])
+    return [max(up, down) for up, down in zip(*moved)]
 
 
-def _cosine_moves(reference: Sequence[Sequence[np.ndarray]], before: Sequence[Sequence[np.ndarray]],
-                  after: Sequence[Sequence[np.ndarray]]) -> list[float]:
-    """Per float output, the largest change of a feed's cosine against the reference."""
-    changes = []
-    for index in range(len(reference[0])):
-        if not np.issubdtype(np.asarray(reference[0][index]).dtype, np.floating):
-            continue
-        triples = [(np.asarray(r[index]), np.asarray(b[index]), np.asarray(a[index]))
-                   for r, b, a in zip(reference, before, after)]
-        if all(r.size < 2 for r, _, _ in triples):
-            triples = [tuple(np.concatenate([array.ravel() for array in column]) for column in zip(*triples))]
-        moves = [abs(fidelity.cosine(r, a) - fidelity.cosine(r, b)) for r, b, a in triples]
-        changes.append(float(np.nanmax(moves)) if not all(np.isnan(moves)) else float("nan"))
-    return changes
+def _largest_move(before: list[float], after: list[float]) -> float:
+    """The largest change of one feed's cosine (NaN where every feed's is NaN)."""
+    moves = [abs(now - was) for was, now in zip(before, after)]
+    return float("nan") if all(np.isnan(moves)) else float(np.nanmax(moves))
