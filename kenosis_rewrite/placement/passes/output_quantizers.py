@@ -32,9 +32,10 @@ with ``(s, z)`` the asymmetric grid of the data input's type over ``[min(lo, 0),
 Why: ORT CPU fuses ``DQ -> Conv -> Q`` (optionally with a Relu/Clip before the Q) into QLinearConv;
 without a Q after the Conv it runs it in float on dequantized tensors. A MatMul or Gemm needs no
 output quantizer: ORT runs it as an integer kernel with a float output (MatMulIntegerToFloat, QGemm),
-so one would add a rounding and no integer MACs (ViT-S by NNCF, fix(calibration=16 scenes): with
-quantizers on its 60 MatMul outputs 1.56x FP32 and -0.0125 on the worst of 40 photos against FP32;
-without, 1.64x and -0.0010); only a Concat feeding one (its input) gets a quantizer. OpenVINO fuses
+so one would add a rounding and no integer MACs (ViT-S by NNCF, fix(calibration=16 scenes), the zoo's
+fix-fidelity table: with quantizers on its 60 MatMul outputs 1.66x FP32 and -0.0125 on the worst of
+40 photos against FP32; without, 1.70x and -0.0010); only a Concat feeding one (its input) gets a
+quantizer. OpenVINO fuses
 Conv with the activation after it, so NNCF places no Q there; on ORT CPU a PP-LCNet quantized by
 NNCF 3.4 runs every Conv in float (explain(): 0% integer MACs).
 
