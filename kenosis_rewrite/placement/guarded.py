@@ -6,15 +6,18 @@ fidelity (released half by half under the guard); where no single rule's undo pa
 quantizers that sit on the model's answer are held first. Where the guard is blind (made-up feeds that do not
 drive the model), rules whose cost only data shows stay out; where it cannot run the input at all,
 only the rewrites proven exact are applied. A closing round applies the pipeline once more to what
-passed, held to the same guard, so that a second ``fix()`` finds nothing left to do.
+passed, held to the same guard, and the sites where the guard undid rules are marked in the output's
+node metadata, so that a second ``fix()`` finds nothing left to do.
 """
 
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 
 from kenosis_rewrite.core import interleaved_timing, model_io
 from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
+from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY
 from kenosis_rewrite.placement import speed_check
 from kenosis_rewrite.placement.fix_pass import CallerData, _fix_once
 from kenosis_rewrite.placement.guard import Guard, candidate_undos
@@ -35,7 +38,7 @@ def _guarded_fix(
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """:func:`_faithful_fix`, then :func:`_not_slower`: what the guard accepts, never slower than the input."""
     result = _faithful_fix(model, first, target, guard, data)
-    return _not_slower(model, result, target, guard, data)
+    return _with_held_sites_marked(*_not_slower(model, result, target, guard, data))
 
 
 def _faithful_fix(
@@ -80,9 +83,11 @@ def _faithful_fix(
             undone = ", ".join([*sorted(disabled), *([_on_the_answer(answer)] if answer else [])])
         held: frozenset = answer
         at_sites = _undone_at_sites(model, target, disabled, kept_out, report, guard, data, answer)
+        undone_whole: frozenset[str] = frozenset()
         if at_sites is not None:
             (loaded, retry_report, retry_after), held, undone = at_sites
         else:
+            undone_whole = (disabled or frozenset()) - kept_out
             # the rules undone whole (every rule that changed the model where nothing passed), and the summary says so
             undone_rules = disabled if disabled is not None else {change.rule for change in report.changes}
             retry_report.refusals[:0] = [
@@ -94,6 +99,9 @@ def _faithful_fix(
         if disabled is not None and retry_after is not None:
             loaded, retry_report, retry_after = _closing_round(loaded, retry_report, retry_after, target, guard,
                                                                data, kept_out, held)
+            # every site where the guard undid a rule, whole or there alone (kept-out rules are not its verdict)
+            retry_report.held_sites = held | frozenset(
+                (rule, site) for rule in undone_whole for site in _sites_of(report, rule) if site is not None)
         if target.startswith("ort-cpu") and interleaved_timing.u8s8_saturates():
             retry_report.note(
                 "this host is x86 without VNNI: ORT's uint8 x int8 kernels saturate int16 pair sums here, so "
@@ -134,6 +142,25 @@ def _not_slower(
     kept.note(f"speed check: {problem}, and undoing its rules one by one did not make it faster: the input is "
               "returned unchanged")
     return unchanged, kept, model_io.in_memory_proto(unchanged.model)
+
+
+def _with_held_sites_marked(
+    loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto | None,
+) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
+    """The model with each node at a site where the guard undid rules marked with their names
+    (:data:`~kenosis_rewrite.graph.rule_base.GUARD_HELD_KEY`), so that fix() of it holds them too."""
+    rules_at: dict[str, set[str]] = {}
+    for rule, site in report.held_sites:
+        rules_at.setdefault(site, set()).add(rule)
+    marked = False
+    for node in ir.traversal.RecursiveGraphIterator(loaded.model.graph):
+        if node.name in rules_at:
+            earlier = set(filter(None, node.metadata_props.get(GUARD_HELD_KEY, "").split(",")))
+            node.metadata_props[GUARD_HELD_KEY] = ",".join(sorted(earlier | rules_at[node.name]))
+            marked = True
+    if marked and after is not None:
+        after = model_io.in_memory_proto(loaded.model)
+    return loaded, report, after
 
 
 MAX_SITE_TRIALS = 48  # fix() runs the per-site search may spend, each held to the guard

@@ -10,6 +10,7 @@ import pytest
 
 import kenosis_rewrite
 from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY
 from kenosis_rewrite.placement import guard
 from kenosis_rewrite.testing.model_checks import outputs
 
@@ -101,6 +102,46 @@ def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatc
     reference, ours = fidelity.run(qdq, feeds), fidelity.run(fixed, feeds)
     assert [o.shape for o in ours[0]] == [o.shape for o in reference[0]]
     assert fidelity.scores(reference, ours)["cosine"] > 0.99
+
+
+def test_the_sites_the_guard_undid_are_marked_and_a_later_fix_holds_them(monkeypatch):
+    """fix() marks the nodes where its guard undid a rule (node metadata, not the model's), and fix()
+    of its output leaves those sites alone even with no guard: judged against that output, the rule
+    could pass where it failed against the first input, and fix() would not be idempotent."""
+    qdq = _nncf_model()
+    rule = "fold-affine-into-conv"
+    _, unguarded = kenosis_rewrite.fix(qdq, return_report=True, verify=False)
+    wheres = [c.where for c in unguarded.changes if c.rule == rule]
+    bad = {wheres[1], wheres[-2]}
+    real = guard.Guard.violation
+
+    def rejects_two_sites(self, model, report, selecting=False):
+        if any(c.rule == rule and c.where in bad for c in report.changes):
+            return "the output's cosine fell at a chosen site"
+        return real(self, model, report, selecting)
+
+    monkeypatch.setattr(guard.Guard, "violation", rejects_two_sites)
+    fixed = kenosis_rewrite.fix(qdq)
+    monkeypatch.undo()
+    marks = {n.name: p.value for n in fixed.graph.node for p in n.metadata_props if p.key == GUARD_HELD_KEY}
+    assert len(marks) == 2 and set(marks.values()) == {rule}
+    assert not any(p.key == GUARD_HELD_KEY for n in qdq.graph.node for p in n.metadata_props)  # input untouched
+    again, report = kenosis_rewrite.fix(fixed, return_report=True, verify=False)
+    assert rule not in {c.rule for c in report.changes}
+    held = [r for r in report.refusals if r.rule == rule and "of the fix() that wrote this model" in r.reason]
+    assert len(held) == 2
+    _, unmarked = kenosis_rewrite.fix(_without_marks(fixed), return_report=True, verify=False)
+    assert bad <= {c.where for c in unmarked.changes if c.rule == rule}  # the marks are what held them
+
+
+def _without_marks(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        kept = [p for p in node.metadata_props if p.key != GUARD_HELD_KEY]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+    return copy
 
 
 def _two_branch_model(seed: int, costly: str) -> onnx.ModelProto:
