@@ -207,8 +207,8 @@ def test_hand_built_conv_fuses(kwargs):
 @pytest.mark.parametrize(
     ("kwargs", "reason", "rule", "fragment"),
     [
-        ({"act": "Relu(c)", "yz": 128}, R_ZP_NOT_QMIN, "fold-relu-island", "zero point 128"),
-        ({"act": "Clip(c, lo, hi)", "yz": 0, "ys": 0.05}, R_ZP_NOT_QMIN, "fold-clip-island", "not redundant"),
+        ({"act": "Relu(c)", "yz": 128}, R_ZP_NOT_QMIN, "relu-on-codes", "zero point 128"),
+        ({"act": "Clip(c, lo, hi)", "yz": 0, "ys": 0.05}, R_ZP_NOT_QMIN, "clip-on-codes", "not redundant"),
         ({"bias_scale": 0.0003}, R_STALE_BIAS, "requantize-stale-bias", "0.0003"),
         # Quark's XINT8 preset: an int8 bias with its own scale (even at input x weight scale)
         ({"bias_type": "int8"}, R_BIAS_TYPE, "requantize-stale-bias", "the bias is int8"),

@@ -63,7 +63,7 @@ def test_fix_accepts_the_peer_output_runs_it_in_integer_kernels_and_keeps_its_fi
 def test_quark_xint8_is_unsorted_and_keeps_every_conv_float_until_fix():
     """XINT8 (Quark's NPU preset): graph not in topological order (the checker refuses it), int8
     biases with their own power-of-two scales, Conv -> Clip -> Q(zero point 128): ORT runs no Conv
-    in integer; fix() sorts, makes the biases int32 and the Clip's zero point qmin."""
+    in integer; fix() sorts, makes the biases int32 and applies each Clip to the Q's codes (exact)."""
     peer = onnx.load(FIXTURES / "mbv2ish_quark0.13_xint8.onnx")
     with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
         onnx.checker.check_model(peer)
@@ -73,7 +73,7 @@ def test_quark_xint8_is_unsorted_and_keeps_every_conv_float_until_fix():
     assert ("bias not int32", "requantize-stale-bias") in reasons and not any(r.startswith("unknown") for r, _ in reasons)
     fixed, report = fix(peer, calibration=_feeds(1), return_report=True)
     counts = report.change_counts()
-    assert counts["requantize-stale-bias"] == 7 and counts["clip-zero-point-to-qmin"] == 4
+    assert counts["requantize-stale-bias"] == 7 and counts["clip-on-codes"] == 4
     assert any("topological order" in note for note in report.notes)
     assert model_checks.ort_optimized_op_types(fixed)["QLinearConv"] == 6
 

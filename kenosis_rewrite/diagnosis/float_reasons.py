@@ -49,6 +49,8 @@ R_ACTIVATION_PRODUCT = "product of two activations (attention), float by design"
 RULE_U8 = "activation-int8-to-uint8"
 RULE_STALE_BIAS = "requantize-stale-bias"
 RULE_FOLD = {"Relu": "fold-relu-island", "Clip": "fold-clip-island"}
+# an op -> Relu/Clip -> Q(zp != qmin) chain: the activation applied to the Q's codes (exact)
+RULE_ON_CODES = {"Relu": "relu-on-codes", "Clip": "clip-on-codes"}
 RULE_PRELU = "prelu-to-leakyrelu / prelu-to-relu-min"
 
 
@@ -219,7 +221,7 @@ def _check_activation(activation: ir.Node | None, out_q: ir.Node | None, y_p) ->
     if y_p is None or not y_p.is_per_tensor or y_p.dtype not in qdq_params.EIGHT_BIT:
         return []
     zp, scale = y_p.scalar_zero_point, y_p.scalar_scale
-    rule = RULE_FOLD[activation.op_type]
+    rule = RULE_ON_CODES[activation.op_type]
     if activation.op_type == "Relu":
         if zp != y_p.qmin:
             return [Reason(R_ZP_NOT_QMIN, rule, f"Relu -> Q with zero point {zp}, ORT drops Relu only at {y_p.qmin}")]

@@ -65,6 +65,7 @@ from kenosis_rewrite.placement.rules.activation_islands import (
     FoldReluIsland,
     ReluZeroPointToQmin,
 )
+from kenosis_rewrite.placement.rules.activation_on_codes import activation_on_codes_rules
 from kenosis_rewrite.placement.rules.batchnorm_folding import FoldBatchNormIntoConv, FoldBatchNormIntoConvThroughQDQ
 from kenosis_rewrite.placement.rules.conv_affine_folding import conv_affine_rules
 from kenosis_rewrite.placement.rules.gather_dequantize import GatherBeforeDequantize
@@ -110,6 +111,8 @@ def _conv_folds(report: Report) -> list[RewriteRule]:
 def _ort_rules(report: Report) -> list[RewriteRule]:
     return [
         *_conv_folds(report),
+        # exact first: the activation on the codes; the finer grid after it for what it refuses
+        *activation_on_codes_rules(report).rules,
         FoldReluIsland.rule(report), FoldClipIsland.rule(report),
         ReluZeroPointToQmin.rule(report), ClipZeroPointToQmin.rule(report),
         # the islands folded leave Relu -> Relu where they were in a row: ORT fuses only one

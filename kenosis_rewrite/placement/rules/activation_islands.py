@@ -27,6 +27,9 @@ the float model is at most ``s'/2`` per element, never more than the input model
 A changed scale must be propagated (pass-through ops) and biases requantized downstream; ``fix()``
 runs those passes after these rules.
 
+On the ORT targets the exact rules of :mod:`.activation_on_codes` run first (the activation applied to
+the Q's codes): these take what they leave, an island whose two grids differ and opsets below 12.
+
 Refused with a reason: Clip with a lower bound other than 0 or non-constant bounds, per-axis or
 non-8-bit parameters, a pre-activation tensor or quantized output read by anything else, an
 output Q that is a graph output.
