@@ -5,6 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kenosis_rewrite.core.report import FixReport
+from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY
 
 
 class ReportingPass(ir.passes.InPlacePass):
@@ -25,9 +26,13 @@ class ReportingPass(ir.passes.InPlacePass):
             if site is not None:
                 self.report.sites.setdefault((self.rule_name, where), site)
 
-    def held(self, site: str) -> bool:
-        """Whether the run-time guard undid this pass at ``site`` (then the pass leaves it alone)."""
-        return self.report is not None and (self.rule_name, site) in self.report.held_sites
+    def held(self, site: str, node: ir.Node | None = None) -> bool:
+        """Whether the run-time guard undid this pass at ``site`` (then the pass leaves it alone): in this
+        fix(), or in the fix() that wrote the model, which marked ``node`` (the site's node) so."""
+        if self.report is not None and (self.rule_name, site) in self.report.held_sites:
+            return True
+        marks = node.metadata_props.get(GUARD_HELD_KEY, "") if node is not None else ""
+        return self.rule_name in marks.split(",")
 
     def refused(self, where: str, reason: str) -> None:
         if self.report is not None:

@@ -148,15 +148,19 @@ def _with_held_sites_marked(
     loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto | None,
 ) -> tuple[model_io.LoadedModel, FixReport, onnx.ModelProto | None]:
     """The model with each node at a site where the guard undid rules marked with their names
-    (:data:`~kenosis_rewrite.graph.rule_base.GUARD_HELD_KEY`), so that fix() of it holds them too."""
+    (:data:`~kenosis_rewrite.graph.rule_base.GUARD_HELD_KEY`), so that fix() of it holds them too. A
+    site is a node's name (a rule's match root) or a value's (a pass's: its producer is marked)."""
     rules_at: dict[str, set[str]] = {}
     for rule, site in report.held_sites:
         rules_at.setdefault(site, set()).add(rule)
     marked = False
     for node in ir.traversal.RecursiveGraphIterator(loaded.model.graph):
-        if node.name in rules_at:
+        rules = set(rules_at.get(node.name, ()))
+        for value in node.outputs:
+            rules |= rules_at.get(value.name, set())
+        if rules:
             earlier = set(filter(None, node.metadata_props.get(GUARD_HELD_KEY, "").split(",")))
-            node.metadata_props[GUARD_HELD_KEY] = ",".join(sorted(earlier | rules_at[node.name]))
+            node.metadata_props[GUARD_HELD_KEY] = ",".join(sorted(earlier | rules))
             marked = True
     if marked and after is not None:
         after = model_io.in_memory_proto(loaded.model)

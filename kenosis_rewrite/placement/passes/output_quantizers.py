@@ -356,7 +356,7 @@ class QuantizeWeightedOutputsPass(ReportingPass):
         names = qdq_params.NameAllocator(graph)  # one scan of the graph for every quantizer inserted
         for site in sites(graph):
             where = site.op.name or site.op.op_type
-            if self.held(site.value.name):  # the guard's own refusal says why
+            if self.held(site.value.name, site.op):  # the guard's own refusal says why
                 continue
             measured = self.ranges.get(site.value.name)
             reached = answer_reached(site.value) if measured is not None else None

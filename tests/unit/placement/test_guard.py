@@ -223,6 +223,11 @@ def test_an_added_quantizer_that_costs_one_output_more_than_the_budget_is_undone
         assert fidelity.cosine(reference, after[index_cheap]) >= fidelity.cosine(reference, before[index_cheap]) - 0.002
     assert report.guard_fidelity is not None and len(report.guard_fidelity["outputs"]) == 2
     onnx.checker.check_model(fixed, full_check=True)
+    # the pass reads the mark on the costly Conv: a later fix(), even unguarded, adds no quantizer there
+    marked = [n.name for n in fixed.graph.node for p in n.metadata_props if p.key == GUARD_HELD_KEY]
+    assert marked == [f"conv_{costly}"]
+    _, again = kenosis_rewrite.fix(fixed, calibration=feeds, return_report=True, verify=False)
+    assert "quantize-weighted-outputs" not in again.change_counts()
 
 
 def test_the_report_says_which_yardstick_held_the_rewrite_and_the_fidelity_before_and_after():
