@@ -33,10 +33,10 @@ def test_fix_writes_a_valid_faster_model_and_a_report(tmp_path, capsys):
     onnx.checker.check_model(fixed, full_check=True)
     assert model_checks.ort_optimized_op_types(fixed)["Relu"] == 0
     printed = capsys.readouterr()
-    assert "fold-relu-island: 1 change(s)" in printed.out and "fidelity vs FP32" in printed.out
+    assert "relu-island-on-codes: 1 change(s)" in printed.out and "fidelity vs FP32" in printed.out
     assert "wrote" in printed.err
     data = json.loads(report.read_text())
-    assert data["change_counts"]["fold-relu-island"] == 1
+    assert data["change_counts"]["relu-island-on-codes"] == 1
 
 
 def test_refused_input_exits_1_with_a_message(tmp_path, capsys):

@@ -77,7 +77,7 @@ class _OnCodesBase(ReportingRule):
         if params is None:
             return refusal(where, "quantization parameters are not constants")
         if not params.is_per_tensor or params.dtype not in qdq_params.EIGHT_BIT:
-            return refusal(where, f"only per-tensor 8-bit quantizers, got {params.describe()}")
+            return refusal(where, f"only per-tensor 8-bit activations run on codes, got {params.describe()}")
         if _opset(q_node) < _MIN_OPSET:
             return refusal(where, f"opset {_opset(q_node)} has no 8-bit Max or Clip (needs {_MIN_OPSET})")
         bounds = code_bounds(act_node, params)

@@ -305,7 +305,8 @@ def test_fix_refuses_and_preserves_non_8bit_activations(act):
     fixed, report = kenosis_rewrite.fix(model, return_report=True)
     assert not report.changes
     assert [n.op_type for n in fixed.graph.node] == [n.op_type for n in model.graph.node]
-    assert {r.rule for r in report.refusals} == {"fold-relu-island", "relu-zero-point-to-qmin"}
+    assert {r.rule for r in report.refusals} == {"relu-island-on-codes", "relu-on-codes", "fold-relu-island",
+                                                 "relu-zero-point-to-qmin"}
     assert all("only per-tensor 8-bit activations" in r.reason for r in report.refusals)
     _assert_preserved(model, fixed)
 
