@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"'over': that fall beyond {BUDGET}; 'within the input's rounding noise (N)': every such fall is at "
                       "most N, the most a photo's cosine of that output moves in the peer's own model when its "
                       "activation scales move by 1e-5 (at most about 1 in 800 roundings flip; "
-                      "`kenosis_rewrite.placement.rounding_noise`).", "", *rows(), ""])
+                      "`kenosis_rewrite.accuracy.rounding_noise`).", "", *rows(), ""])
     print(text)
     if args.out:
         pathlib.Path(args.out).write_text(text)

@@ -16,7 +16,7 @@ Each variant is compared with the FP32 model on 8 held-out photos (the zoo's own
 wheel): per float output, the mean over photos of the cosine and the worst photo's cosine; the row
 keeps the lowest of each over the outputs and the change from the peer's own model ("over": a fall
 beyond 0.002 of the mean or the worst photo of any output, issue 55's budget; beside it, whether the
-fall is within the peer model's own rounding noise, :mod:`kenosis_rewrite.placement.rounding_noise`;
+fall is within the peer model's own rounding noise, :mod:`kenosis_rewrite.accuracy.rounding_noise`;
 ``--rounding-noise-only`` adds that to the records already in ``--out``). Speed: FP32, the
 peer's model and both fix() results timed interleaved in one process (warm-up, medians) at 1 and 2
 threads, as ``x FP32``; with ``--baseline DIR`` (a copy of an earlier run's JSON folder) the share of
@@ -497,7 +497,7 @@ def summary(records: list[dict], baseline: pathlib.Path | None) -> str:
         "('one-value output only': where only outputs of one value per photo fall, whose per-photo cosine is their",
         "sign; 'within the input's rounding noise (N)': every such fall is at most N, the most a photo's cosine of that",
         "output moves in the peer's own model when its activation scales move by 1e-5, i.e. when at most about 1 in",
-        "800 of its roundings flip: `kenosis_rewrite.placement.rounding_noise`); 'guard budget': the run-time",
+        "800 of its roundings flip: `kenosis_rewrite.accuracy.rounding_noise`); 'guard budget': the run-time",
         "guard's own test, a fall beyond 0.002 or 5% of the peer's error",
         "(1 - cosine) where that is larger, an output of one value judged by its cosine pooled over the",
         "photos. Speed: x FP32, interleaved medians on a shared 2-core VM (noisy).", "", *table(records, baseline), ""])

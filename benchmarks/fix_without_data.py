@@ -22,12 +22,12 @@ import onnx
 
 import kenosis_rewrite
 from kenosis_rewrite import zoo
+from kenosis_rewrite.accuracy import rounding_noise
 from kenosis_rewrite.benchmark.bench import measure_latency
 from kenosis_rewrite.benchmark.pages import save_variants_record, variants_record
 from kenosis_rewrite.benchmark.peers import quantize_with_peer
 from kenosis_rewrite.core import fidelity, ort_quantize
 from kenosis_rewrite.core.ort_quantize import ORT_CONFIGS
-from kenosis_rewrite.placement import rounding_noise
 
 
 def _fidelity(reference: list, outputs: list) -> dict:
@@ -57,7 +57,7 @@ def record_speeds(result: dict, variants: dict, feed: dict, threads: list[int], 
 
 
 def add_rounding_noise(entry: dict, model: onnx.ModelProto, reference: list, evaluation: list) -> None:
-    """Each output's rounding noise (:mod:`kenosis_rewrite.placement.rounding_noise`: the most a photo's
+    """Each output's rounding noise (:mod:`kenosis_rewrite.accuracy.rounding_noise`: the most a photo's
     cosine against FP32 moves when the model's activation scales move by 1e-5), into ``entry``."""
     noise = rounding_noise.rounding_noise(model, reference, fidelity.run(model, evaluation),
                                           lambda jittered: fidelity.run(jittered, evaluation))

@@ -30,12 +30,12 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
+from kenosis_rewrite.accuracy import rounding_noise
 from kenosis_rewrite.calibration import inputs
 from kenosis_rewrite.core import fidelity
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.graph import qdq_params, value_range
 from kenosis_rewrite.graph.dequantize import remove_qdq_pair
-from kenosis_rewrite.placement import rounding_noise
 from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
 
 __all__ = ["BLIND_COSINE", "DEFAULT_TOLERANCE", "Guard", "OutputFidelity", "candidate_undos", "cosine_floor"]
@@ -272,7 +272,7 @@ class Guard:
 
     def _input_rounding_noise(self) -> list[float] | None:
         """Per float output, how far the input's own cosine moves on these feeds when a few of its
-        roundings flip (:mod:`kenosis_rewrite.placement.rounding_noise`); None where it cannot run."""
+        roundings flip (:mod:`kenosis_rewrite.accuracy.rounding_noise`); None where it cannot run."""
         optimized = self.input_optimized is not None
         runs = self.input_optimized if optimized else self.input_plain
         try:

@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from kenosis_rewrite.accuracy import rounding_noise
 from kenosis_rewrite.core import fidelity
-from kenosis_rewrite.placement import rounding_noise
 
 STEP = 1.0 / 64
 
