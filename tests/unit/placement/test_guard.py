@@ -69,6 +69,18 @@ def test_a_guard_that_runs_the_input_at_one_level_checks_at_that_level(monkeypat
     assert check.violation(broken, report) is not None
 
 
+def _reject_sites(monkeypatch, rule: str, bad: set[str]) -> None:
+    """Make the guard reject any rewrite in which ``rule`` changed one of the ``bad`` places."""
+    real = guard.Guard.violation
+
+    def rejects_chosen_sites(self, model, report, selecting=False):
+        if any(c.rule == rule and c.where in bad for c in report.changes):
+            return "the output's cosine fell at a chosen site"
+        return real(self, model, report, selecting)
+
+    monkeypatch.setattr(guard.Guard, "violation", rejects_chosen_sites)
+
+
 def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatch):
     """A rule the guard rejects is searched site by site: the sites whose change breaks the check stay
     undone, the rule keeps its other sites (the guard here rejects two chosen sites of 15)."""
@@ -78,14 +90,7 @@ def test_the_guard_undoes_a_rule_only_at_the_sites_that_cost_fidelity(monkeypatc
     wheres = [c.where for c in unguarded.changes if c.rule == rule]
     assert len(wheres) >= 8
     bad = {wheres[2], wheres[-1]}
-    real = guard.Guard.violation
-
-    def rejects_two_sites(self, model, report, selecting=False):
-        if any(c.rule == rule and c.where in bad for c in report.changes):
-            return "the output's cosine fell at a chosen site"
-        return real(self, model, report, selecting)
-
-    monkeypatch.setattr(guard.Guard, "violation", rejects_two_sites)
+    _reject_sites(monkeypatch, rule, bad)
     # on made-up feeds and on the caller's alike (made-up ones hold each choice to a quarter of the budget)
     _, made_up = kenosis_rewrite.fix(qdq, return_report=True)
     assert {c.where for c in made_up.changes if c.rule == rule} == set(wheres) - bad
@@ -113,14 +118,7 @@ def test_the_sites_the_guard_undid_are_marked_and_a_later_fix_holds_them(monkeyp
     _, unguarded = kenosis_rewrite.fix(qdq, return_report=True, verify=False)
     wheres = [c.where for c in unguarded.changes if c.rule == rule]
     bad = {wheres[1], wheres[-2]}
-    real = guard.Guard.violation
-
-    def rejects_two_sites(self, model, report, selecting=False):
-        if any(c.rule == rule and c.where in bad for c in report.changes):
-            return "the output's cosine fell at a chosen site"
-        return real(self, model, report, selecting)
-
-    monkeypatch.setattr(guard.Guard, "violation", rejects_two_sites)
+    _reject_sites(monkeypatch, rule, bad)
     fixed = kenosis_rewrite.fix(qdq)
     monkeypatch.undo()
     marks = {n.name: p.value for n in fixed.graph.node for p in n.metadata_props if p.key == GUARD_HELD_KEY}
