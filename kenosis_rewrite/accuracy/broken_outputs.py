@@ -86,13 +86,17 @@ class _Measure:
         self.feeds = list(feeds)[:_FEEDS]
         self.reference = fidelity.run(float_model, self.feeds)
 
-    def cosines(self, proto: onnx.ModelProto) -> list[float | None]:
-        return per_output_cosines(self.reference, fidelity.run(proto, self.feeds))
+    def run(self, proto: onnx.ModelProto) -> list[list[np.ndarray]]:
+        return fidelity.run(proto, self.feeds)
 
-    def noise(self, proto: onnx.ModelProto) -> list[float]:
-        """Per output, how far a feed's cosine moves when a few of ``proto``'s roundings flip."""
-        run = lambda model: fidelity.run(model, self.feeds)  # noqa: E731 - the runner rounding_noise takes
-        return rounding_noise(proto, self.reference, run(proto), run)
+    def cosines(self, proto: onnx.ModelProto, runs: list[list[np.ndarray]] | None = None) -> list[float | None]:
+        """Per output, its mean cosine against FP32; ``runs``: ``proto``'s outputs when already run."""
+        return per_output_cosines(self.reference, runs if runs is not None else self.run(proto))
+
+    def noise(self, proto: onnx.ModelProto, runs: list[list[np.ndarray]]) -> list[float]:
+        """Per output, how far a feed's cosine moves when a few of ``proto``'s roundings flip (``runs``:
+        its own outputs on the feeds)."""
+        return rounding_noise(proto, self.reference, runs, self.run)
 
 
 def _acceptable(now: list, before: list, index: int) -> bool:
@@ -122,7 +126,8 @@ def mend_broken_outputs(model: ir.Model, float_model: onnx.ModelProto, feeds: Se
     output of ``model`` (quantized ``float_model``); ``model`` is changed in place. Returns how many."""
     measure = _Measure(float_model, feeds)
     proto = ir.serde.serialize_model(model)
-    before = measure.cosines(proto)
+    runs = measure.run(proto)  # for the cosines, and for the rounding noise where an output is broken
+    before = measure.cosines(proto, runs)
     outputs = list(model.graph.outputs)
     kept: list[str] = []
     reasons: dict[str, str] = {}
@@ -130,7 +135,7 @@ def mend_broken_outputs(model: ir.Model, float_model: onnx.ModelProto, feeds: Se
     for index, cosine in enumerate(before):
         if cosine is None or cosine >= BROKEN_COSINE:
             continue
-        noise = noise if noise is not None else measure.noise(proto)
+        noise = noise if noise is not None else measure.noise(proto, runs)
         min_gain = max(MIN_GAIN, noise[index]) if not np.isnan(noise[index]) else MIN_GAIN
         candidates = _upstream_layers(model, outputs[index], CANDIDATES)
         current = before

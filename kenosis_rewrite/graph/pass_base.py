@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kenosis_rewrite.core.report import FixReport
-from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY
+from kenosis_rewrite.graph.rule_base import guard_marks
 
 
 class ReportingPass(ir.passes.InPlacePass):
@@ -31,8 +31,7 @@ class ReportingPass(ir.passes.InPlacePass):
         fix(), or in the fix() that wrote the model, which marked ``node`` (the site's node) so."""
         if self.report is not None and (self.rule_name, site) in self.report.held_sites:
             return True
-        marks = node.metadata_props.get(GUARD_HELD_KEY, "") if node is not None else ""
-        return self.rule_name in marks.split(",")
+        return self.rule_name in guard_marks(node)
 
     def refused(self, where: str, reason: str) -> None:
         if self.report is not None:

@@ -26,13 +26,19 @@ from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.graph import qdq_params
 
-__all__ = ["GUARD_HELD_KEY", "ReportingRule", "SiteResult", "acceptance", "refusal"]
+__all__ = ["GUARD_HELD_KEY", "ReportingRule", "SiteResult", "acceptance", "guard_marks", "refusal"]
 
 # node metadata fix() writes at the sites where its run-time guard undid rules (their names, comma-separated):
 # a later fix() of its output holds them there too, so that it finds nothing left to do. Judged against
 # that output, a rule can pass where it failed against the first input (fuzz seed 8600028: an accepted
 # change took 0.0006, the undone fold then 0.0018 of the next budget, 0.0024 in all).
 GUARD_HELD_KEY = "kenosis_rewrite.guard_held"
+
+
+def guard_marks(node: ir.Node | None) -> set[str]:
+    """The rules an earlier fix()'s guard undid at ``node`` (:data:`GUARD_HELD_KEY`); empty for None."""
+    marks = node.metadata_props.get(GUARD_HELD_KEY, "") if node is not None else ""
+    return set(filter(None, marks.split(",")))
 
 
 def _site(context) -> str | None:
@@ -91,8 +97,7 @@ class ReportingRule(RewriteRuleClassBase):
         site = _site(context)
         if self.report is not None and (self.name, site) in self.report.held_sites:
             return MatchResult().fail("held back at this site by the run-time guard")
-        root = getattr(context, "root", None)
-        if root is not None and self.name in root.metadata_props.get(GUARD_HELD_KEY, "").split(","):
+        if self.name in guard_marks(getattr(context, "root", None)):
             held = refusal(site or self.name, "held back at this site by the run-time guard of the fix() that wrote this model")
             self.book(held)
             return held

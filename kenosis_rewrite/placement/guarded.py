@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from kenosis_rewrite.core import interleaved_timing, model_io
 from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
-from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY
+from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY, guard_marks
 from kenosis_rewrite.placement import speed_check
 from kenosis_rewrite.placement.fix_pass import CallerData, _fix_once
 from kenosis_rewrite.placement.guard import Guard, candidate_undos
@@ -159,8 +159,7 @@ def _with_held_sites_marked(
         for value in node.outputs:
             rules |= rules_at.get(value.name, set())
         if rules:
-            earlier = set(filter(None, node.metadata_props.get(GUARD_HELD_KEY, "").split(",")))
-            node.metadata_props[GUARD_HELD_KEY] = ",".join(sorted(earlier | rules))
+            node.metadata_props[GUARD_HELD_KEY] = ",".join(sorted(guard_marks(node) | rules))
             marked = True
     if marked and after is not None:
         after = model_io.in_memory_proto(loaded.model)

@@ -57,11 +57,6 @@ def code_bounds(activation: ir.Node, params: qdq_params.QuantParams) -> tuple[in
     return code(bounds[0]), code(bounds[1])
 
 
-def _opset(node: ir.Node) -> int:
-    graph = node.graph
-    return graph.opset_imports.get("", 0) if graph is not None else 0
-
-
 class _OnCodesBase(ReportingRule):
     """Shared checks and the rewrite: the activation applied to the output Q's codes."""
 
@@ -78,8 +73,9 @@ class _OnCodesBase(ReportingRule):
             return refusal(where, "quantization parameters are not constants")
         if not params.is_per_tensor or params.dtype not in qdq_params.EIGHT_BIT:
             return refusal(where, f"only per-tensor 8-bit activations run on codes, got {params.describe()}")
-        if _opset(q_node) < _MIN_OPSET:
-            return refusal(where, f"opset {_opset(q_node)} has no 8-bit Max or Clip (needs {_MIN_OPSET})")
+        opset = qdq_params.default_opset(q_node.graph)
+        if opset < _MIN_OPSET:
+            return refusal(where, f"opset {opset} has no 8-bit Max or Clip (needs {_MIN_OPSET})")
         bounds = code_bounds(act_node, params)
         if isinstance(bounds, str):
             return refusal(where, bounds)
@@ -90,19 +86,15 @@ class _OnCodesBase(ReportingRule):
     def _on_codes(self, op, codes: ir.Value, act_node: ir.Node, q_node: ir.Node) -> ir.Value:
         params = qdq_params.quant_params(q_node)
         lo, hi = code_bounds(act_node, params)
-        graph = q_node.graph
-        base = q_node.outputs[0].name or "codes"
-
-        def constant(value: int, what: str) -> ir.Value:
-            name = self.fresh_name(graph, f"{base}_{what}_code")
-            return op.initializer(qdq_params.integer_tensor(np.array(value), params.dtype, name), name=name)
-
+        make = qdq_params.constant_maker(op, lambda base: self.fresh_name(q_node.graph, base),
+                                         q_node.outputs[0].name or "codes")
+        dtype = params.dtype.numpy()
         name = f"{act_node.name or self.activation}_on_codes"
         if self.activation == "Relu":
-            result = op.Max(codes, constant(lo, "relu_floor"), _name=name)
+            result = op.Max(codes, make(lo, dtype, "relu_floor_code"), _name=name)
         else:
-            result = op.Clip(codes, constant(lo, "clip_lo") if lo is not None else None,
-                             constant(hi, "clip_hi") if hi is not None else None, _name=name)
+            result = op.Clip(codes, make(lo, dtype, "clip_lo_code") if lo is not None else None,
+                             make(hi, dtype, "clip_hi_code") if hi is not None else None, _name=name)
         self.record(act_node.name or self.activation, f"{self.activation} on the codes of {params.describe()}: "
                     f"[{lo}, {hi if hi is not None else params.qmax}]", exact=True)
         return result

@@ -100,10 +100,10 @@ def test_a_gain_within_the_outputs_rounding_noise_keeps_no_layer(monkeypatch):
     model, feeds = _two_headed(0), _feeds(0, 8)
     raw = ort_quantize.quantize_with_ort(model, feeds, "u8s8_pc")
     measure = broken_outputs._Measure(model, feeds)
-    noise = measure.noise(raw)
+    noise = measure.noise(raw, measure.run(raw))
     assert noise[1] < broken_outputs.MIN_GAIN  # smooth: the gain the other test measures is not noise
-    monkeypatch.setattr(broken_outputs._Measure, "noise", lambda self, proto: [0.0, 0.9])
+    monkeypatch.setattr(broken_outputs._Measure, "noise", lambda self, proto, runs: [0.0, 0.9])
     mended, report = ir.serde.deserialize_model(raw), FixReport()
     assert broken_outputs.mend_broken_outputs(mended, model, feeds, report) == 0 and not report.changes
-    monkeypatch.setattr(broken_outputs._Measure, "noise", lambda self, proto: [0.0, noise[1]])
+    monkeypatch.setattr(broken_outputs._Measure, "noise", lambda self, proto, runs: [0.0, noise[1]])
     assert broken_outputs.mend_broken_outputs(ir.serde.deserialize_model(raw), model, feeds, FixReport()) >= 1
