@@ -5,9 +5,10 @@ fixed point), then clean-up; then the run-time guard (:mod:`kenosis_rewrite.plac
 Order for ``ort-cpu`` (each step's module docstring states its transformation and exactness):
 
 1. ``contrib-qdq-to-standard``, ``float-shape-arithmetic``, ``fold-constant-quantize``,
-   ``activation-int8-to-uint8`` (passes): com.microsoft Q/DQ to the default domain, Q/DQ removed from
-   shape arithmetic (anchors, grids: their float values exactly), Q(constant) folded, activations
-   to uint8 (exact).
+   ``fold-dequantized-parameters``, ``activation-int8-to-uint8`` (passes): com.microsoft Q/DQ to the
+   default domain, Q/DQ removed from shape arithmetic (anchors, grids: their float values exactly),
+   Q(constant) folded, dequantized PRelu slopes and Clip bounds read as constants, activations to
+   uint8 (exact).
 2. Rewrite rules to a fixed point: BatchNormalization folding, Relu/Clip island folding and zero
    points to qmin, PRelu replacement, weight-only MatMulNBits patterns.
 3. ``align-pass-through-qparams``, ``requantize-stale-bias``, ``activation-before-data-movement``

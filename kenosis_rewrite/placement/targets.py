@@ -44,6 +44,7 @@ from kenosis_rewrite.placement.passes.bias_rescale import BiasRescalePass
 from kenosis_rewrite.placement.passes.concat_on_codes import ConcatOnCodesPass
 from kenosis_rewrite.placement.passes.constant_quantize import FoldConstantQuantizePass
 from kenosis_rewrite.placement.passes.contrib_qdq import ContribQDQToStandardPass
+from kenosis_rewrite.placement.passes.dequantized_parameters import FoldDequantizedParametersPass
 from kenosis_rewrite.placement.passes.float16_qdq import Float16QDQToFloat32Pass
 from kenosis_rewrite.placement.passes.float_3d_conv import Float3DConvPass
 from kenosis_rewrite.placement.passes.per_tensor_activations import PerTensorActivationsPass
@@ -134,6 +135,7 @@ def _ort_pre(report: Report, to_uint8: bool) -> list:
         # float16 scales first: ORT's integer fusions, and the rules after, read float32 ones
         Float16QDQToFloat32Pass(report),
         ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+        FoldDequantizedParametersPass(report),
         Float3DConvPass(report), FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
         *([ActivationInt8ToUint8Pass(report)] if to_uint8 else []), DequantizeAfterSplitPass(report),
     ]
@@ -145,6 +147,7 @@ def _symmetric_pre(report: Report, fusible: tuple[str, ...], calibration: Sequen
     with the caller's ``calibration`` feeds, what costs too much on them stays float."""
     return [
         ContribQDQToStandardPass(report), FloatShapeArithmeticPass(report), FoldConstantQuantizePass(report),
+        FoldDequantizedParametersPass(report),
         FoldPerChannelActivationScalesPass(report), PerTensorActivationsPass(report),
         SymmetricActivationsPass(report, fusible, calibration=calibration or None),
     ]
