@@ -416,3 +416,21 @@ def test_the_yardstick_of_fixs_output_is_its_inputs_when_a_rewrite_reads_the_sha
     for seed in range(3):
         feed = {"x": np.random.default_rng(seed).standard_normal((1, 4, 6)).astype(np.float32) * 3}
         np.testing.assert_array_equal(outputs(before, feed)[0], outputs(after, feed)[0])
+
+
+def test_a_bias_requantization_is_suspected_after_the_rules_that_change_activation_grids():
+    """requantize-stale-bias rounds only onto the accumulator grid, and it is what lets ORT fuse the ops
+    whose input steps other rules changed: undoing it first would pass the guard by running them in
+    float (PP-OCR's mobile v2 classifier by Quark: 100% -> 0% integer MACs)."""
+    from kenosis_rewrite.core.report import FixReport
+
+    report = FixReport()
+    report.changed("clip-zero-point-to-qmin", "clip_1", "finer grid", exact=False)
+    report.changed("activation-int8-to-uint8", "q_1", "uint8", exact=True)
+    report.changed("requantize-stale-bias", "conv_1", "bias at s_x * s_w", exact=False)
+    report.changed("fold-batchnorm-into-conv", "bn_1", "folded", exact=False)
+    singles = [next(iter(c)) for c in guard.candidate_undos(report) if len(c) == 1]
+    assert singles == ["fold-batchnorm-into-conv", "clip-zero-point-to-qmin", "requantize-stale-bias",
+                       "activation-int8-to-uint8"]
+    assert guard.candidate_undos(report)[len(singles)] == frozenset(
+        {"fold-batchnorm-into-conv", "clip-zero-point-to-qmin", "requantize-stale-bias"})
