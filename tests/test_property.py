@@ -28,6 +28,7 @@ QUANTIZE_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUANTIZE_CASES", "30"))
 SOFTMAX_CASES = int(os.environ.get("KENOSIS_PROPERTY_SOFTMAX_CASES", "24"))
 DYNAMIC_CASES = int(os.environ.get("KENOSIS_PROPERTY_DYNAMIC_CASES", "16"))
 TRANSFORMER_CASES = int(os.environ.get("KENOSIS_PROPERTY_TRANSFORMER_CASES", "6"))
+QUARK_CONSTANT_CASES = int(os.environ.get("KENOSIS_PROPERTY_QUARK_CONSTANT_CASES", "40"))
 
 
 def _failure_report(case: fuzz.CaseResult) -> str:
@@ -59,6 +60,16 @@ def test_fix_properties_with_softmax_heads(seed):
     # models ending in a Softmax, which softmax-float-input rewrites for ort-cpu
     case = fuzz.check_fix_case(seed, verify=False)
     assert "Softmax" in case.model or case.skipped
+    violated = [f"{f.category} ({f.target})" for f in case.failures]
+    assert not violated, _failure_report(case)
+
+
+@pytest.mark.parametrize("seed", range(fuzz.QUARK_CONSTANT_SEEDS, fuzz.QUARK_CONSTANT_SEEDS + QUARK_CONSTANT_CASES))
+def test_fix_properties_with_quark_constants(seed):
+    # PRelu slopes and Clip bounds dequantized from int8 codes: fold-dequantized-parameters reads
+    # them as constants, and the PRelu and Clip rules then apply; every rule still keeps its promise
+    case = fuzz.check_fix_case(seed, verify=False)
+    assert case.config.get("quantized_parameters")
     violated = [f"{f.category} ({f.target})" for f in case.failures]
     assert not violated, _failure_report(case)
 

@@ -3,7 +3,9 @@
 Every case is a pure function of one integer seed: ``np.random.default_rng(seed)`` draws a small
 FP32 ONNX model (:func:`random_float_model`), then an ``onnxruntime.quantization.quantize_static``
 configuration (:func:`random_quant_config`); seeds from :data:`SOFTMAX_HEAD_SEEDS` (1,000,000) end
-every model in a Softmax head (a DFL head on maps), and seeds from :data:`DYNAMIC_BATCH_SEEDS`
+every model in a Softmax head (a DFL head on maps), seeds from :data:`QUARK_CONSTANT_SEEDS`
+(10,000,000) write their PRelu slopes and Clip bounds as dequantized int8 constants, as Quark does,
+and seeds from :data:`DYNAMIC_BATCH_SEEDS`
 (20,000,000) are written as exported with a dynamic batch (:func:`~kenosis_rewrite.testing.fuzz_models.as_dynamic_export`:
 shape arithmetic in the graph; their outputs must also run at batch 2 where the input does), and
 seeds from :data:`TRANSFORMER_SEEDS` (30,000,000) are small transformer encoders, exported so.
@@ -60,6 +62,7 @@ from kenosis_rewrite.testing.fuzz_properties import (
     CATEGORY_TITLES,
     DYNAMIC_BATCH_SEEDS,
     FIDELITY_TOLERANCE,
+    QUARK_CONSTANT_SEEDS,
     SOFTMAX_HEAD_SEEDS,
     TRANSFORMER_SEEDS,
     WITHIN_JITTER,
@@ -73,7 +76,8 @@ from kenosis_rewrite.testing.fuzz_properties import (
 from kenosis_rewrite.testing.fuzz_running import first_line, short_traceback
 
 __all__ = [
-    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "SOFTMAX_HEAD_SEEDS", "DYNAMIC_BATCH_SEEDS", "TRANSFORMER_SEEDS",
+    "CATEGORIES", "CATEGORY_TITLES", "FIDELITY_TOLERANCE", "SOFTMAX_HEAD_SEEDS", "QUARK_CONSTANT_SEEDS", "DYNAMIC_BATCH_SEEDS",
+    "TRANSFORMER_SEEDS",
     "N_CALIBRATION", "N_FEEDS", "CaseResult", "Failure", "TargetResult",
     "random_float_model", "random_quant_config", "plain_quant_config", "quantize_with_config",
     "check_fix_case", "check_quantize_case", "run_cases", "summarize", "format_summary", "main",

@@ -122,6 +122,8 @@ def quantize_or_skip(fp32: onnx.ModelProto, config: dict, feeds) -> tuple[onnx.M
             model = onnx.load(target)
         if config.get("unified_concat_grids"):
             model = _unified_concat_grids(model)
+        if config.get("quantized_parameters"):
+            model = _quantized_parameters(model)
         if config.get("qparams_as_constant_nodes"):
             model = _qparams_to_constant_nodes(model)
     except Exception as error:  # noqa: BLE001 - the quantizer raises many unrelated types
@@ -175,6 +177,40 @@ def _unified_concat_grids(model: onnx.ModelProto) -> onnx.ModelProto:
             for node in [q, *readers.get(q.output[0], [])]:
                 if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
                     node.input[1], node.input[2] = scale_name, zero_name
+    return model
+
+
+_PARAMETER_SLOTS = {"PRelu": (1,), "Clip": (1, 2)}
+
+
+def _quantized_parameters(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every float32 initializer read as a PRelu slope or a Clip bound replaced by a DequantizeLinear of
+    int8 codes on a power-of-two grid with zero point 0 (Quark's XINT8 constants): the model's values
+    become those the codes give."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    dequantized: dict[str, str] = {}
+    added: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        for index in _PARAMETER_SLOTS.get(node.op_type, ()):
+            name = node.input[index] if len(node.input) > index else ""
+            tensor = initializers.get(name)
+            if tensor is None or tensor.data_type != onnx.TensorProto.FLOAT:
+                continue
+            if name not in dequantized:
+                values = numpy_helper.to_array(tensor)
+                top = float(np.max(np.abs(values))) if values.size else 0.0
+                scale = np.float32(2.0 ** np.ceil(np.log2(top / 127.0))) if top > 0 else np.float32(1.0)
+                codes = np.clip(np.rint(values / scale), -128, 127).astype(np.int8)
+                model.graph.initializer.extend([numpy_helper.from_array(codes, f"{name}_codes"),
+                                                numpy_helper.from_array(np.array(scale, np.float32), f"{name}_codes_scale"),
+                                                numpy_helper.from_array(np.array(0, np.int8), f"{name}_codes_zero_point")])
+                dequantized[name] = f"{name}_dequantized"
+                added.append(helper.make_node("DequantizeLinear", [f"{name}_codes", f"{name}_codes_scale",
+                                                                   f"{name}_codes_zero_point"], [dequantized[name]]))
+            node.input[index] = dequantized[name]
+    nodes = added + list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     return model
 
 

@@ -311,6 +311,10 @@ def _check_target(case: CaseResult, ref: _Reference, target: str) -> None:
 # Seeds from here on end every model in a Softmax head (fuzz_models._with_softmax_head); seeds below
 # give the models they gave before heads existed (the regression seeds replay the same cases).
 SOFTMAX_HEAD_SEEDS = 1_000_000
+# Seeds from here up to DYNAMIC_BATCH_SEEDS have their PRelu slopes and Clip bounds written as
+# dequantized int8 constants after quantize_static, as Quark writes every constant
+# (fuzz_configs._quantized_parameters).
+QUARK_CONSTANT_SEEDS = 10_000_000
 # Seeds from here on are written as exported with a dynamic batch (fuzz_models.as_dynamic_export):
 # symbolic batch dim, shape arithmetic in the graph; their outputs must also run at batch 2 where
 # the input model does.
@@ -338,6 +342,8 @@ def _model_and_config(seed: int) -> tuple[onnx.ModelProto, list[dict], dict]:
     rng = np.random.default_rng(seed)
     fp32, feeds = _random_model(seed, rng)
     config = random_quant_config(rng, [node.op_type for node in fp32.graph.node])
+    if QUARK_CONSTANT_SEEDS <= seed < DYNAMIC_BATCH_SEEDS:
+        config["quantized_parameters"] = True
     return fp32, feeds, config
 
 
