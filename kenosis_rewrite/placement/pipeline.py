@@ -11,9 +11,11 @@ Order for ``ort-cpu`` (each step's module docstring states its transformation an
    uint8 (exact).
 2. Rewrite rules to a fixed point: BatchNormalization folding, Relu/Clip island folding and zero
    points to qmin, PRelu replacement, weight-only MatMulNBits patterns.
-3. ``align-pass-through-qparams``, ``requantize-stale-bias``, ``activation-before-data-movement``
-   (passes): parameters changed in 2 flow through MaxPool, Reshape, ...; int32 biases follow the
-   input scales; activations go in front of data movement that reads an int8 DQ.
+3. ``align-pass-through-qparams``, ``pass-through-reads-shared-codes``, ``requantize-stale-bias``,
+   ``activation-before-data-movement`` (passes): parameters changed in 2 flow through MaxPool,
+   Reshape, ...; a MaxPool reads the codes its input's quantizer already computes when its own
+   output quantizer is the same; int32 biases follow the input scales; activations go in front of
+   data movement that reads an int8 DQ.
 4. Clean-up: unused nodes and initializers, topological order, stale ``output_dtype``, the
    rewriter's bookkeeping metadata, node names.
 5. The guard runs input and output with ONNX Runtime and undoes a rule that broke its bound.

@@ -58,6 +58,7 @@ from kenosis_rewrite.placement.passes.qdq_propagation import (
 from kenosis_rewrite.placement.passes.qparam_propagation import PassThroughQParamsPass
 from kenosis_rewrite.placement.passes.requantize_after_movement import RequantizeAfterDataMovementPass
 from kenosis_rewrite.placement.passes.shape_arithmetic import FloatShapeArithmeticPass
+from kenosis_rewrite.placement.passes.shared_quantizer import SharedQuantizerPass
 from kenosis_rewrite.placement.passes.symmetric_int8 import SymmetricActivationsPass
 from kenosis_rewrite.placement.rules.activation_fusion import NPU_FUSIBLE, TENSORRT_FUSIBLE, activation_fusion_rules
 from kenosis_rewrite.placement.rules.activation_islands import (
@@ -159,6 +160,8 @@ def _ort_post(report: Report) -> list:
         # after the rules, which want the Q -> DQ pair next to each other (zero point to qmin after a Relu)
         DequantizeAfterPadPass(report),
         PassThroughQParamsPass(report),
+        # a MaxPool whose input another op's quantizer already puts on its own output grid (INC's BlazeFace)
+        SharedQuantizerPass(report),
         # MaxPool/Concat outputs left float (NNCF's SPPF) would keep the Conv they feed float
         DequantizeForwardPass(report, ops=frozenset({"MaxPool", "Concat"}), float_consumers_only=True),
         # and a Concat on one grid, which ORT would run as a requantizing QLinearConcat
