@@ -98,15 +98,18 @@ def test_nncf_paddle_lcnet_layers_run_integer_after_fix_without_calibration():
     each Conv is followed by a float Add(bias) -> Mul -> Add chain, so ORT runs every Conv in float.
     fix() folds each chain into its Conv (fold-affine-into-conv) and gives the Conv the quantizer its
     HardSwish -> Mul -> Add -> Q bounds (quantize-weighted-outputs), without any calibration feeds:
-    every Conv but the head (a Relu then the graph output: nothing bounds it) runs as QLinearConv."""
+    every Conv but the head (a Relu then the graph output: nothing bounds it) runs as QLinearConv, and
+    the head, in float, on float weights (float-weights-for-float-kernels: ORT's NCHWc Conv, Relu fused)."""
     peer = onnx.load(FIXTURES / "lcnetish_nncf3.4.onnx")
     float_model = onnx.load(FIXTURES / "lcnetish_fp32.onnx")
     assert model_checks.ort_optimized_op_types(peer)["QLinearConv"] == 0
     fixed, report = fix(peer, return_report=True)
     counts = report.change_counts()
     assert counts["fold-affine-into-conv"] == 15 and counts["quantize-weighted-outputs"] == 5, report.summary()
+    assert counts["float-weights-for-float-kernels"] == 1, report.summary()
     kernels = model_checks.ort_optimized_op_types(fixed)
-    assert kernels["QLinearConv"] == 5 and kernels["FusedConv"] == 1, kernels  # the head: Conv + Relu in float
+    assert kernels["QLinearConv"] == 5 and kernels["Conv"] == 1 and kernels["ReorderInput"] == 1, kernels
+    assert "Relu" not in kernels  # fused into the head's float Conv
     scores = fidelity.compare_to_float(float_model, {"peer": peer, "fixed": fixed}, _feeds(2))
     assert scores["fixed"]["cosine"] >= scores["peer"]["cosine"] - 0.002, scores
 

@@ -68,7 +68,7 @@ from kenosis_rewrite.diagnosis.ort_graph import (  # noqa: F401 - re-exported fo
     optimized_graph,
 )
 
-__all__ = ["FusionReport", "HeavyOp", "FloatIsland", "explain", "INTEGER_KERNELS"]
+__all__ = ["FusionReport", "HeavyOp", "FloatIsland", "explain", "float_kernels", "INTEGER_KERNELS"]
 
 
 def _heavy_nodes(model: ir.Model) -> list[ir.Node]:
@@ -117,3 +117,19 @@ def explain(model: model_io.ModelLike, *, threads: int = 1) -> FusionReport:
         islands = build_islands(optimized.graph, ops, matched, input_nodes)
     counts = collections.Counter(label(node) for node in nodes)
     return FusionReport(ops=ops, float_islands=islands, optimized_op_counts=counts, notes=notes)
+
+
+def float_kernels(model: ir.Model, *, threads: int = 1) -> frozenset[str]:
+    """Names of the Conv/ConvTranspose/MatMul/Gemm nodes of ``model`` (top graph) that ORT CPU runs as
+    float kernels in its optimized graph; an op ORT replaced by nothing recognisable is left out.
+    ``model`` is not modified. Raises ``RuntimeMeasurementError`` when ORT cannot build a session."""
+    with tempfile.TemporaryDirectory(prefix="kenosis_float_kernels_") as directory:
+        nodes = list(optimized_graph(model, directory, threads).graph.node)
+    names = set()
+    for node in model.graph:
+        if node.op_type not in FLOAT_HEAVY_OPS or not node.name:
+            continue
+        match = match_optimized(node, nodes)
+        if match is not None and match.op_type not in INTEGER_KERNELS:
+            names.add(node.name)
+    return frozenset(names)

@@ -12,16 +12,22 @@ node metadata, so that a second ``fix()`` finds nothing left to do.
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnx
 import onnx_ir as ir
 
 from kenosis_rewrite.core import interleaved_timing, model_io
 from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
+from kenosis_rewrite.diagnosis.explain import float_kernels
+from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY, guard_marks
 from kenosis_rewrite.placement import speed_check
 from kenosis_rewrite.placement.fix_pass import CallerData, _fix_once
 from kenosis_rewrite.placement.guard import Guard, candidate_undos
 from kenosis_rewrite.placement.passes import output_quantizers, per_tensor_activations
+from kenosis_rewrite.placement.passes.float_kernel_weights import RULE_NAME as FLOAT_KERNEL_WEIGHTS
+from kenosis_rewrite.placement.passes.float_kernel_weights import FloatKernelWeightsPass
 
 # Rules that add a rounding step on a grid set from the graph alone, whose cost compounds over
 # layers: kept only where the guard can measure them. On PP-OCRv5's DB text detector quantized by
@@ -296,3 +302,31 @@ def _closing_round(
     merged.note(f"run-time guard: applied to the rewritten model, {', '.join(sorted(applied))} passes it")
     again.returns = loaded.returns
     return again, merged, again_after
+
+
+def with_float_kernel_weights(
+    loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto | None, guard: Guard | None,
+) -> onnx.ModelProto | None:
+    """The accepted rewrite with the weights of the ops ORT runs in float as float constants
+    (:mod:`.passes.float_kernel_weights`), where the guard accepts that too; ``loaded`` and ``report``
+    are updated in place, and the output proto is returned. Asking ORT which ops run in float costs a
+    session, so this runs once, on what the guard accepted, not in each of its retries."""
+    if after is None or (guard is not None and guard.unavailable):
+        return after
+    try:
+        float_ops = float_kernels(loaded.model)
+    except KenosisError:  # ORT cannot optimize the model: nothing known about its kernels
+        return after
+    if not float_ops:
+        return after
+    trial_report = dataclasses.replace(report, changes=list(report.changes), refusals=list(report.refusals),
+                                       notes=list(report.notes))
+    trial = ir.serde.deserialize_model(after)
+    if not FloatKernelWeightsPass(float_ops, trial_report)(trial).modified:
+        return after
+    problem = guard.violation(ir.serde.serialize_model(trial), trial_report) if guard is not None else None
+    if problem is not None:
+        report.note(f"{FLOAT_KERNEL_WEIGHTS}: not applied, the run-time guard found that {problem}")
+        return after
+    FloatKernelWeightsPass(float_ops, report)(loaded.model)
+    return model_io.in_memory_proto(loaded.model)

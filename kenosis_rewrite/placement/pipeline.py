@@ -37,7 +37,7 @@ from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import InvalidModelError, KenosisError, RewriteError
 from kenosis_rewrite.placement.fix_pass import TARGETS, CallerData, CleanupPass, FixPass, _check_target, apply_rules, rules
 from kenosis_rewrite.placement.guard import Guard
-from kenosis_rewrite.placement.guarded import _guarded_fix
+from kenosis_rewrite.placement.guarded import _guarded_fix, with_float_kernel_weights
 from kenosis_rewrite.placement.opset_upgrade import needs_per_axis_upgrade, upgraded_for_per_axis
 from kenosis_rewrite.placement.passes import output_quantizers
 from kenosis_rewrite.placement.passes.pin_shapes import pinned_model
@@ -49,6 +49,8 @@ __all__ = ["TARGETS", "FixPass", "rules", "fix", "fix_with_report", "fix_loaded"
 # By default the run-time guard runs on models whose tensors add up to at most this: it holds the
 # input, the output and a float reference in ONNX Runtime at once (about 6x the model in memory).
 GUARD_MAX_BYTES = 256 << 20
+# the target whose float kernels fix() asks this machine's ONNX Runtime about (passes.float_kernel_weights)
+FLOAT_KERNEL_TARGET = "ort-cpu"
 # the calibration feeds output quantizer ranges are measured on: a range from a few feeds clips the
 # next input's extremes (one run each, without graph optimizations: cheap)
 RANGE_FEEDS = 64
@@ -257,6 +259,8 @@ def fix_loaded(
     loaded, report, after = _guarded_fix(model, first, target, guard, data)
     if in_memory and after is None:
         after = model_io.in_memory_proto(loaded.model)
+    if target == FLOAT_KERNEL_TARGET:
+        after = with_float_kernel_weights(loaded, report, after, guard)
     for note in notes:
         report.note(note)
     if pinning is not None:

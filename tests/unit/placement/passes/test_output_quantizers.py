@@ -376,7 +376,10 @@ def test_a_quantizer_after_a_batchnorm_that_does_not_fold_is_removed_again():
     assert "fold-batchnorm-into-conv" not in report.change_counts()
     assert any(r.rule == RULE_NAME and "did not fold" in r.reason for r in report.refusals), report.summary()
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "n" for n in fixed.graph.node)
-    assert [n.op_type for n in fixed.graph.node] == [n.op_type for n in proto.graph.node]
+    # the input's graph, but for the float Conv's weights, now float constants (float-weights-for-float-kernels)
+    assert set(report.change_counts()) == {"float-weights-for-float-kernels"}, report.summary()
+    weight_dq = next(i for i, n in enumerate(proto.graph.node) if n.op_type == "DequantizeLinear" and n.input[0] == "wq")
+    assert [n.op_type for n in fixed.graph.node] == [n.op_type for i, n in enumerate(proto.graph.node) if i != weight_dq]
     for feed in _feeds():
         assert np.array_equal(model_checks.outputs(proto, feed)[0], model_checks.outputs(fixed, feed)[0])
     # what the pass inserts before the folds run, without the pipeline: the quantizer after the BN
