@@ -36,6 +36,7 @@ from kenosis_rewrite.diagnosis.float_reasons import (  # noqa: F401 - re-exporte
     R_BIAS_TYPE,
     R_DTYPE,
     R_FANOUT,
+    R_FLOAT_WEIGHTS,
     R_GRAPH_OUTPUT,
     R_INT8_NO_Q,
     R_MISSING,

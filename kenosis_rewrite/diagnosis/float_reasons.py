@@ -32,6 +32,7 @@ BIAS_RTOL = 1e-5
 
 # Reasons (the text) and the fixing rules (kenosis rule names).
 R_MISSING = "missing Q/DQ"
+R_FLOAT_WEIGHTS = "float weights"
 R_UNSUPPORTED_TYPE = "unsupported quantized type on ORT CPU"
 R_FANOUT = "int8 fan-out"
 R_INT8_NO_Q = "int8 activation without a single-consumer Q->DQ pair"
@@ -150,6 +151,11 @@ def _check_missing(node: ir.Node, x_dq, w_dq, activation, out_q, users) -> list[
         missing = []  # weight-only quantization: a float input is expected
         detail = f"{w_p.describe()} weight with a float input was not fused into MatMulNBits"
         reasons = [Reason(R_WEIGHT_ONLY, None, detail)]
+    elif x_dq is not None and w_dq is None and qdq_params.const_array(node_input(node, w_i)) is not None:
+        # fix() gives the ops ORT runs in float their weights as float constants: say so, not "unquantized"
+        detail = (f"weight {node_input(node, w_i).name!r} is a float constant with a quantized input (what fix() "
+                  "writes for an op ORT runs in float: float-weights-for-float-kernels; any reason below is why)")
+        reasons = [Reason(R_FLOAT_WEIGHTS, None, detail)]
     else:
         detail = "; ".join(missing) + " (not quantized by the quantizer)"
         reasons = [Reason(R_MISSING, None, detail)] if missing else []

@@ -140,6 +140,9 @@ def test_fix_gives_a_float_head_float_weights_and_a_second_fix_finds_nothing_to_
     assert cosine > 0.9999
     again, second = kenosis_rewrite.fix(fixed, return_report=True)
     assert RULE_NAME not in second.change_counts()
+    head = next(op for op in kenosis_rewrite.explain(fixed).ops if op.name == conv.name)
+    assert head.kernel == "float" and head.reason == "float weights", head  # not "unquantized"
+    assert any("graph output" in reason for reason in head.other_reasons), head  # and why it is float
 
 
 def test_where_the_guard_rejects_it_fix_returns_the_accepted_model_and_says_so(monkeypatch):
