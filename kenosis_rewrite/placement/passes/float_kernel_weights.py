@@ -24,9 +24,10 @@ at a tie, never more. Reported as approximate; ``fix()`` holds it to its run-tim
 bound is property-tested. The weights of these ops are then stored
 in float32 (4x their 8-bit size), as in the FP32 model.
 
-Left alone: ops ORT runs in integer kernels; ops whose input is not a dequantized 8-bit activation
-(weight-only quantization, a 16-bit activation: their quantized weights are what the user chose them
-for, size); weights other than 8-bit codes and int32 biases (4-bit, 16-bit, blocked); ops the guard held.
+Left alone: ops ORT runs in integer kernels; ops whose input is not a dequantized 8-bit activation,
+read directly or through ops that only select its elements (weight-only quantization, a 16-bit
+activation: their quantized weights are what the user chose them for, size); weights other than
+8-bit codes and int32 biases (4-bit, 16-bit, blocked); ops the guard held.
 """
 
 from __future__ import annotations
@@ -48,11 +49,21 @@ RULE_NAME = "float-weights-for-float-kernels"
 _CODE_TYPES = frozenset({*qdq_params.EIGHT_BIT, ir.DataType.INT32})  # 8-bit weights, int32 biases
 
 
+def _activation_dequantizer(value: ir.Value | None) -> ir.Node | None:
+    """The DequantizeLinear of a computed tensor that ``value`` is, or selects elements of through
+    MaxPool/Transpose/Reshape/Flatten/... (an NHWC export's input Transpose, a pooled activation)."""
+    producer = value.producer() if value is not None else None
+    while producer is not None and producer.op_type in op_tables.VALUE_SELECTING_OPS and producer.inputs:
+        producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
+    if not qdq_params.is_dequantize(producer) or qdq_params.const_array(producer.inputs[0]) is not None:
+        return None
+    return producer
+
+
 def _refusal(node: ir.Node) -> str:
     """Why ``node``'s weights stay quantized even though ORT runs it in float, or ``""``."""
-    data = node.inputs[0] if node.inputs else None
-    producer = data.producer() if data is not None else None
-    if not qdq_params.is_dequantize(producer) or qdq_params.const_array(producer.inputs[0]) is not None:
+    producer = _activation_dequantizer(node.inputs[0] if node.inputs else None)
+    if producer is None:
         return "its input is not a dequantized activation (weight-only quantization keeps its weights)"
     params = qdq_params.quant_params(producer)
     if params is None or params.dtype not in qdq_params.EIGHT_BIT:

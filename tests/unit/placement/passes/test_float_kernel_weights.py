@@ -190,3 +190,23 @@ def test_weight_only_quantization_keeps_its_quantized_weights():
     assert not report.changes
     assert any("weight-only" in r.reason for r in report.refusals)
     assert [n.op_type for n in out.graph.node] == ["DequantizeLinear", "MatMul"]
+
+
+def test_a_conv_reading_its_quantized_activation_through_a_pool_or_transpose_gets_float_weights():
+    """NHWC exports transpose the dequantized input, pooled activations reach the next Conv through a
+    MaxPool: still a quantized activation, not weight-only quantization."""
+    proto = _head_model()
+    conv = next(n for n in proto.graph.node if n.op_type == "Conv")
+    conv.input[0] = "pooled"
+    pool = onnx.helper.make_node("MaxPool", ["dx"], ["pooled"], kernel_shape=[1, 1], name="pool")
+    proto.graph.node.insert(list(proto.graph.node).index(conv), pool)
+    onnx.checker.check_model(proto, full_check=True)
+    model = ir.serde.deserialize_model(proto)
+    report = kenosis_rewrite.FixReport()
+    FloatKernelWeightsPass({"float_conv"}, report)(model)
+    out = ir.serde.serialize_model(model)
+    assert [c.rule for c in report.changes] == [RULE_NAME]
+    assert model_checks.producer_of(out, model_checks.node_by_name(out, "float_conv").input[1]) is None
+    for feed in _feeds():
+        np.testing.assert_allclose(model_checks.outputs(out, feed, False)[0], model_checks.outputs(proto, feed, False)[0],
+                                   rtol=1e-5, atol=1e-5)
