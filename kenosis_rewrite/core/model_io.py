@@ -316,6 +316,14 @@ ALREADY_FUSED_NOTE = (
     "the model has no QuantizeLinear/DequantizeLinear: its weights are already in ONNX Runtime's fused "
     "weight-only form (com.microsoft.MatMulNBits), which is what fix() would produce; left unchanged"
 )
+# node metadata fix() writes on a Conv/MatMul/Gemm ORT runs in float once it dropped the quantizer that
+# served only such ops (float-kernels-read-float): explain() says why it reads a float tensor, and a
+# later fix() of a model left with no quantizer at all returns it as it is
+FLOAT_INPUT_KEY = "kenosis_rewrite.float_input"
+ALL_FLOAT_NOTE = (
+    "the model has no QuantizeLinear/DequantizeLinear left: an earlier fix() found ONNX Runtime running every "
+    "quantized op in float and dropped their quantizers (float-kernels-read-float); left unchanged"
+)
 DYNAMIC_INTEGER_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger"})
 DYNAMIC_NOTE = (
     "the model has no QuantizeLinear/DequantizeLinear: its integer MatMuls quantize their inputs at run "
@@ -386,6 +394,8 @@ def check_quantized(model: ir.Model) -> list[str]:
     if not has_qdq and any(node.op_type in DYNAMIC_INTEGER_OPS and node.domain in op_tables.DEFAULT_DOMAINS
                            for node in ir.traversal.RecursiveGraphIterator(model.graph)):
         return [DYNAMIC_NOTE]
+    if not has_qdq and any(FLOAT_INPUT_KEY in node.metadata_props for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+        return [ALL_FLOAT_NOTE]
     if not has_qdq:
         raise NoQDQError(
             "The model has no QuantizeLinear/DequantizeLinear nodes: it is not QDQ-quantized, so there is "

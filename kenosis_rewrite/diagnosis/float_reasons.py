@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kenosis_rewrite.core import op_tables
+from kenosis_rewrite.core import model_io, op_tables
 from kenosis_rewrite.diagnosis.ort_graph import FLOAT_HEAVY_OPS, node_input
 from kenosis_rewrite.graph import qdq_params, value_range
 
@@ -151,6 +151,11 @@ def _check_missing(node: ir.Node, x_dq, w_dq, activation, out_q, users) -> list[
         missing = []  # weight-only quantization: a float input is expected
         detail = f"{w_p.describe()} weight with a float input was not fused into MatMulNBits"
         reasons = [Reason(R_WEIGHT_ONLY, None, detail)]
+    elif x_dq is None and w_dq is None and node.metadata_props.get(model_io.FLOAT_INPUT_KEY):
+        detail = (f"input {node_input(node, x_i).name!r} and weight {node_input(node, w_i).name!r} are float: ORT ran "
+                  "this op in float, so fix() dropped the quantizer that served only such ops and gave it float "
+                  "weights (float-kernels-read-float, float-weights-for-float-kernels)")
+        reasons = [Reason(R_FLOAT_WEIGHTS, None, detail)]
     elif x_dq is not None and w_dq is None and qdq_params.const_array(node_input(node, w_i)) is not None:
         # fix() gives the ops ORT runs in float their weights as float constants: say so, not "unquantized"
         detail = (f"weight {node_input(node, w_i).name!r} is a float constant with a quantized input (what fix() "

@@ -26,7 +26,7 @@ from kenosis_rewrite.placement import speed_check
 from kenosis_rewrite.placement.fix_pass import CallerData, _fix_once
 from kenosis_rewrite.placement.guard import Guard, candidate_undos
 from kenosis_rewrite.placement.passes import output_quantizers, per_tensor_activations
-from kenosis_rewrite.placement.passes.float_kernel_weights import RULE_NAME as FLOAT_KERNEL_WEIGHTS
+from kenosis_rewrite.placement.passes.float_kernel_inputs import FloatKernelInputsPass
 from kenosis_rewrite.placement.passes.float_kernel_weights import FloatKernelWeightsPass
 
 # Rules that add a rounding step on a grid set from the graph alone, whose cost compounds over
@@ -304,13 +304,15 @@ def _closing_round(
     return again, merged, again_after
 
 
-def with_float_kernel_weights(
+def with_float_kernel_steps(
     loaded: model_io.LoadedModel, report: FixReport, after: onnx.ModelProto | None, guard: Guard | None,
 ) -> onnx.ModelProto | None:
-    """The accepted rewrite with the weights of the ops ORT runs in float as float constants
-    (:mod:`.passes.float_kernel_weights`), where the guard accepts that too; ``loaded`` and ``report``
-    are updated in place, and the output proto is returned. Asking ORT which ops run in float costs a
-    session, so this runs once, on what the guard accepted, not in each of its retries."""
+    """The accepted rewrite with the ops ORT runs in float given float weights
+    (:mod:`.passes.float_kernel_weights`), then reading float inputs where their quantizer serves
+    nothing else (:mod:`.passes.float_kernel_inputs`), each step kept where the guard accepts it too.
+    ``loaded`` and ``report`` are updated in place, and the output proto is returned. Asking ORT which
+    ops run in float costs a session, so this runs once, on what the guard accepted, not in each of its
+    retries."""
     if after is None or (guard is not None and guard.unavailable):
         return after
     try:
@@ -319,14 +321,16 @@ def with_float_kernel_weights(
         return after
     if not float_ops:
         return after
-    trial_report = dataclasses.replace(report, changes=list(report.changes), refusals=list(report.refusals),
-                                       notes=list(report.notes))
-    trial = ir.serde.deserialize_model(after)
-    if not FloatKernelWeightsPass(float_ops, trial_report)(trial).modified:
-        return after
-    problem = guard.violation(ir.serde.serialize_model(trial), trial_report) if guard is not None else None
-    if problem is not None:
-        report.note(f"{FLOAT_KERNEL_WEIGHTS}: not applied, the run-time guard found that {problem}")
-        return after
-    FloatKernelWeightsPass(float_ops, report)(loaded.model)
-    return model_io.in_memory_proto(loaded.model)
+    for step in (FloatKernelWeightsPass, FloatKernelInputsPass):
+        trial_report = dataclasses.replace(report, changes=list(report.changes), refusals=list(report.refusals),
+                                           notes=list(report.notes))
+        trial = ir.serde.deserialize_model(after)
+        if not step(float_ops, trial_report)(trial).modified:
+            continue
+        problem = guard.violation(ir.serde.serialize_model(trial), trial_report) if guard is not None else None
+        if problem is not None:
+            report.note(f"{step.rule_name}: not applied, the run-time guard found that {problem}")
+            continue
+        step(float_ops, report)(loaded.model)
+        after = model_io.in_memory_proto(loaded.model)
+    return after

@@ -37,7 +37,7 @@ from kenosis_rewrite.core.report import FixReport
 from kenosis_rewrite.errors import InvalidModelError, KenosisError, RewriteError
 from kenosis_rewrite.placement.fix_pass import TARGETS, CallerData, CleanupPass, FixPass, _check_target, apply_rules, rules
 from kenosis_rewrite.placement.guard import Guard
-from kenosis_rewrite.placement.guarded import _guarded_fix, with_float_kernel_weights
+from kenosis_rewrite.placement.guarded import _guarded_fix, with_float_kernel_steps
 from kenosis_rewrite.placement.opset_upgrade import needs_per_axis_upgrade, upgraded_for_per_axis
 from kenosis_rewrite.placement.passes import output_quantizers
 from kenosis_rewrite.placement.passes.pin_shapes import pinned_model
@@ -237,7 +237,8 @@ def fix_loaded(
     if input_shapes:
         model, pinning = pinned_model(model, input_shapes, calibration)
     model, first, notes = _loaded_input(model)
-    if model_io.ALREADY_FUSED_NOTE in first.notes:  # MatMulNBits form: what fix() would make; nothing to do
+    # MatMulNBits form, or all float after an earlier fix(): what fix() would make; nothing to do
+    if model_io.ALREADY_FUSED_NOTE in first.notes or model_io.ALL_FLOAT_NOTE in first.notes:
         report = FixReport(target=target)
         for note in first.notes:
             report.note(note)
@@ -260,7 +261,7 @@ def fix_loaded(
     if in_memory and after is None:
         after = model_io.in_memory_proto(loaded.model)
     if target == FLOAT_KERNEL_TARGET:
-        after = with_float_kernel_weights(loaded, report, after, guard)
+        after = with_float_kernel_steps(loaded, report, after, guard)
     for note in notes:
         report.note(note)
     if pinning is not None:

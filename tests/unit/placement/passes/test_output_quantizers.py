@@ -376,12 +376,17 @@ def test_a_quantizer_after_a_batchnorm_that_does_not_fold_is_removed_again():
     assert "fold-batchnorm-into-conv" not in report.change_counts()
     assert any(r.rule == RULE_NAME and "did not fold" in r.reason for r in report.refusals), report.summary()
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "n" for n in fixed.graph.node)
-    # the input's graph, but for the float Conv's weights, now float constants (float-weights-for-float-kernels)
-    assert set(report.change_counts()) == {"float-weights-for-float-kernels"}, report.summary()
-    weight_dq = next(i for i, n in enumerate(proto.graph.node) if n.op_type == "DequantizeLinear" and n.input[0] == "wq")
-    assert [n.op_type for n in fixed.graph.node] == [n.op_type for i, n in enumerate(proto.graph.node) if i != weight_dq]
-    for feed in _feeds():
-        assert np.array_equal(model_checks.outputs(proto, feed)[0], model_checks.outputs(fixed, feed)[0])
+    # the input's graph, but for the float Conv's weights, now float constants, and its input quantizer,
+    # which served only it (float-weights-for-float-kernels, float-kernels-read-float)
+    assert set(report.change_counts()) == {"float-weights-for-float-kernels", "float-kernels-read-float"}, report.summary()
+    assert next(n for n in fixed.graph.node if n.op_type == "Conv").input[0] == "x"
+    dropped = {"q", "d", "w"}  # the input's round trip and the weight's DequantizeLinear
+    assert [n.op_type for n in fixed.graph.node] == [n.op_type for n in proto.graph.node if n.output[0] not in dropped]
+    unrounded = onnx.parser.parse_model(UNFOLDABLE.replace("(d, w)", "(x, w)") % ", ".join(
+        str(int(v)) for v in np.random.default_rng(0).integers(-127, 128, 54)))
+    for feed in _feeds():  # the input without that rounding, to the summation order (one output step at most)
+        np.testing.assert_allclose(model_checks.outputs(fixed, feed)[0], model_checks.outputs(unrounded, feed)[0],
+                                   rtol=0, atol=0.03 + 1e-6)
     # what the pass inserts before the folds run, without the pipeline: the quantizer after the BN
     model = ir.serde.deserialize_model(proto)
     QuantizeWeightedOutputsPass(measure_output_ranges(proto, _feeds()), FixReport())(model)
