@@ -185,12 +185,14 @@ def test_round_range_bounds_are_read_only_from_grids_of_round_ranges():
         return qdq_params.QuantParams(np.array(scale, np.float32), np.array(zero_point), dtype, 1, 0)
 
     for scale, zero_point, dtype in ((0.0263, 3, ir.DataType.INT8), (6.0 / 255, -128, ir.DataType.INT8),
+                                     (3.0518044e-05 * 1.01, 32768, ir.DataType.UINT16),
                                      (0.01234, 0, ir.DataType.INT8), (2.0 / 255, 100, ir.DataType.UINT8)):
         assert value_range.round_range_bounds(params(scale, zero_point, dtype)) is None, (scale, zero_point)
     for scale, zero_point, dtype, bounds in ((2.0 / 255, 0, ir.DataType.INT8, (-1.0, 1.0)),
                                              (2.0 / 255, 127, ir.DataType.UINT8, (-1.0, 1.0)),
                                              (2.0 / 255, 128, ir.DataType.UINT8, (-1.0, 1.0)),
-                                             (8.0 / 255, -64, ir.DataType.INT8, (-2.0, 6.0))):
+                                             (8.0 / 255, -64, ir.DataType.INT8, (-2.0, 6.0)),
+                                             (2.0 / 65535, 32768, ir.DataType.UINT16, (-1.0, 1.0))):
         assert value_range.round_range_bounds(params(scale, zero_point, dtype)) == bounds, (scale, zero_point)
 
 
@@ -422,9 +424,11 @@ def test_implied_clamp_reads_deleted_activations_only():
 # constants and its own Shape taken for shape arithmetic, its MatMul left float (30000441); Relu
 # islands in a row folded into Relu -> Relu, which ORT does not fuse with the Conv (9535320); shape
 # arithmetic read by a MatMul lost its Q/DQ and the MatMul ran in float (30000684); a DQ read by a
-# Transpose and a Shape, whose Transpose chain ORT requantized itself and then refused (30000982, npu).
+# Transpose and a Shape, whose Transpose chain ORT requantized itself and then refused (30000982, npu);
+# a BN folded into the Conv through the 16-bit Q of a deleted Clip(-1, 1) (9400459: the round-range
+# test read 8-bit grids only).
 FUZZ_SEEDS = [1, 5058, 5094, 20020, 20036, 20037, 20043, 20096, 20288, 20354, 150, 253, 269, 291, 297,
-              9440032, 9470334, 9480282, 30000441, 9535320, 30000684, 30000982]
+              9440032, 9470334, 9480282, 30000441, 9535320, 30000684, 30000982, 9400459]
 
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)

@@ -335,11 +335,11 @@ _ROUND_STEP = 0.5
 
 
 def round_range_bounds(params: qdq_params.QuantParams) -> tuple[float, float] | None:
-    """``(lo, hi)``, both multiples of 1/2 with ``lo < 0 < hi``, when the per-tensor 8-bit grid of
+    """``(lo, hi)``, both multiples of 1/2 with ``lo < 0 < hi``, when the per-tensor 8- or 16-bit grid of
     ``params`` is exactly what quantize_static computes for the range ``[lo, hi]`` (asymmetric:
     ``s = (hi - lo) / (qmax - qmin)``, ``z = rint(qmin - lo / s)``; symmetric ranges are the case
     ``hi = -lo`` of the same formula), else None."""
-    if not params.is_per_tensor or params.qmax - params.qmin > 255:
+    if not params.is_per_tensor or params.qmax - params.qmin > 65535:
         return None
     scale, zero_point = float(np.float32(params.scalar_scale)), int(params.scalar_zero_point)
     if not scale > 0:
