@@ -4,8 +4,9 @@ copy serves nothing else.
 Transformation, for an activation round trip ``DQ(Q(x))`` (the same parameters on both; ops that
 only select elements may stand between Q and DQ, on the codes, and are then applied to ``x``) whose readers,
 directly or through ops that only select its elements (MaxPool, Transpose, Reshape, ...), are all
-Conv/ConvTranspose/MatMul/Gemm that ORT runs as float kernels, reading it as their data input (which
-ORT says, asked once by the caller: :func:`kenosis_rewrite.diagnosis.explain.float_kernels`)::
+Conv/ConvTranspose/MatMul/Gemm that ORT runs as float kernels, reading it as their data input, with
+float constant weights (``float-weights-for-float-kernels`` runs first) (which ops ORT runs in float
+it says, asked once by the caller: :func:`kenosis_rewrite.diagnosis.explain.float_kernels`)::
 
     x -> Q -> DQ -> MaxPool -> Conv(float kernel)   ==>   x -> MaxPool -> Conv(float kernel)
     x -> Q -> MaxPool -> DQ -> Conv(float kernel)   ==>   x -> MaxPool -> Conv(float kernel)
@@ -24,7 +25,8 @@ by NNCF, whose Convs ORT runs in float (PRelu after them, no output quantizer), 
 per image in three such pools at one thread (scratch ORT profile).
 
 Left alone: a round trip read by anything else (an integer kernel, a QDQ node unit, a graph output,
-a float op ORT does not run as a heavy kernel), a MatMul reading it as its second operand, a quantizer
+a float op ORT does not run as a heavy kernel), a float kernel that keeps quantized weights (4-bit,
+blocked: quantized for size, with their activation), a MatMul reading it as its second operand, a quantizer
 whose input ORT may compute in an integer kernel (a heavy op ORT runs integer, directly or through a
 Relu/Clip it fuses in, or an op other than element selection whose activation inputs are all
 dequantized: a QDQ node unit), round trips on constants, and quantizers other than 8-bit (a 16-bit
@@ -60,6 +62,8 @@ def _float_readers(value: ir.Value, float_ops: frozenset[str], found: list[ir.No
         if reader.domain not in op_tables.DEFAULT_DOMAINS or index != 0:
             return False
         if reader.op_type in op_tables.WEIGHTED_OPS and reader.name in float_ops:
+            if not all(v is None or qdq_params.const_array(v) is not None for v in reader.inputs[1:]):
+                return False  # weights it keeps quantized (4-bit, blocked: for size) keep their activation too
             found.append(reader)
             continue
         live = _live_outputs(reader)

@@ -10,6 +10,7 @@ import pytest
 import kenosis_rewrite
 from kenosis_rewrite.diagnosis.explain import float_kernels
 from kenosis_rewrite.placement.passes.float_kernel_inputs import RULE_NAME, FloatKernelInputsPass
+from kenosis_rewrite.placement.passes.float_kernel_weights import FloatKernelWeightsPass
 from kenosis_rewrite.testing import model_checks
 
 # "float_conv" has a HardSwish between it and its quantizer (ORT runs it in float); "int_conv" reads
@@ -75,9 +76,12 @@ def _feeds(count: int = 3, scale: float = 2.0) -> list[dict[str, np.ndarray]]:
             for seed in range(count)]
 
 
-def _with_pass(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, kenosis_rewrite.FixReport, frozenset[str]]:
+def _with_pass(proto: onnx.ModelProto, float_weights: bool = True) -> tuple[onnx.ModelProto, kenosis_rewrite.FixReport, frozenset[str]]:
+    """The pass as fix() runs it: after the float kernels' weights became float constants."""
     model = ir.serde.deserialize_model(proto)
     found = float_kernels(model)
+    if float_weights:
+        FloatKernelWeightsPass(found)(model)
     report = kenosis_rewrite.FixReport()
     FloatKernelInputsPass(found, report)(model)
     return ir.serde.serialize_model(model), report, found
@@ -187,3 +191,12 @@ def test_a_quantizer_that_stands_for_a_deleted_relu_leaves_its_clamp():
                                         onnx.numpy_helper.from_array(np.float32(top), "top")])
     for feed in _feeds():
         np.testing.assert_array_equal(model_checks.outputs(out, feed, False)[0], model_checks.outputs(reference, feed, False)[0])
+
+
+def test_a_float_kernel_that_keeps_quantized_weights_keeps_its_quantized_input():
+    """4-bit or blocked weights, which float-weights-for-float-kernels leaves quantized (for size),
+    keep the activation quantizer they were made with."""
+    proto = _model("round trip, then pool")
+    out, report, found = _with_pass(proto, float_weights=False)
+    assert "float_conv" in found and not report.changes
+    assert model_checks.op_types(out) == model_checks.op_types(proto)
