@@ -16,6 +16,7 @@ names stay importable from here.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import tempfile
 from collections.abc import Sequence
 
@@ -69,7 +70,7 @@ from kenosis_rewrite.diagnosis.ort_graph import (  # noqa: F401 - re-exported fo
     optimized_graph,
 )
 
-__all__ = ["FusionReport", "HeavyOp", "FloatIsland", "explain", "float_kernels", "INTEGER_KERNELS"]
+__all__ = ["FusionReport", "HeavyOp", "FloatIsland", "explain", "float_kernels", "kernel_facts", "KernelFacts", "INTEGER_KERNELS"]
 
 
 def _heavy_nodes(model: ir.Model) -> list[ir.Node]:
@@ -120,17 +121,33 @@ def explain(model: model_io.ModelLike, *, threads: int = 1) -> FusionReport:
     return FusionReport(ops=ops, float_islands=islands, optimized_op_counts=counts, notes=notes)
 
 
-def float_kernels(model: ir.Model, *, threads: int = 1) -> frozenset[str]:
-    """Names of the Conv/ConvTranspose/MatMul/Gemm nodes of ``model`` (top graph) that ORT CPU runs as
-    float kernels in its optimized graph; an op ORT replaced by nothing recognisable is left out.
-    ``model`` is not modified. Raises ``RuntimeMeasurementError`` when ORT cannot build a session."""
+@dataclasses.dataclass(frozen=True)
+class KernelFacts:
+    """What ORT CPU's optimized graph says about a model, by the names of its top graph's nodes."""
+
+    float_heavy: frozenset[str]  # Conv/ConvTranspose/MatMul/Gemm ORT runs as float kernels
+    kept_quantizers: frozenset[str]  # QuantizeLinear nodes ORT runs on their own (not fused into a kernel)
+
+
+def kernel_facts(model: ir.Model, *, threads: int = 1) -> KernelFacts:
+    """Which heavy ops of ``model`` ORT CPU runs as float kernels, and which of its QuantizeLinear nodes
+    it runs on their own; an op ORT replaced by nothing recognisable, or unnamed, is left out of the
+    first, an unnamed Q out of the second. ``model`` is not modified. Raises ``RuntimeMeasurementError``
+    when ORT cannot build a session."""
     with tempfile.TemporaryDirectory(prefix="kenosis_float_kernels_") as directory:
         nodes = list(optimized_graph(model, directory, threads).graph.node)
-    names = set()
+    float_heavy = set()
     for node in model.graph:
         if node.op_type not in FLOAT_HEAVY_OPS or not node.name:
             continue
         match = match_optimized(node, nodes)
         if match is not None and match.op_type not in INTEGER_KERNELS:
-            names.add(node.name)
-    return frozenset(names)
+            float_heavy.add(node.name)
+    kept = {node.name for node in nodes if node.op_type == "QuantizeLinear" and node.name}
+    return KernelFacts(frozenset(float_heavy), frozenset(kept))
+
+
+def float_kernels(model: ir.Model, *, threads: int = 1) -> frozenset[str]:
+    """Names of the Conv/ConvTranspose/MatMul/Gemm nodes of ``model`` (top graph) that ORT CPU runs as
+    float kernels in its optimized graph (:func:`kernel_facts`)."""
+    return kernel_facts(model, threads=threads).float_heavy

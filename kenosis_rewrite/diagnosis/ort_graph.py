@@ -122,12 +122,17 @@ def _source_names(value: ir.Value | None) -> set[str]:
     return set()
 
 
-def _fused_consumer_output(node: ir.Node) -> ir.Value | None:
-    """The output of the single non-heavy consumer of ``node`` (ORT may fuse it in: FusedConv, Conv+Add)."""
-    uses = list(node.outputs[0].uses())
-    if len(uses) == 1 and uses[0][0].op_type not in HEAVY_OPS and uses[0][0].outputs:
-        return uses[0][0].outputs[0]
-    return None
+def _fused_consumer_outputs(node: ir.Node, depth: int = 3) -> list[ir.Value]:
+    """The outputs along the chain of single non-heavy consumers after ``node`` (ORT may fuse them in:
+    FusedConv, Conv+Add, an NCHWc Conv with its BatchNormalization and activation)."""
+    found, current = [], node
+    for _ in range(depth):
+        uses = list(current.outputs[0].uses())
+        if len(uses) != 1 or uses[0][0].op_type in HEAVY_OPS or not uses[0][0].outputs:
+            break
+        current = uses[0][0]
+        found.append(current.outputs[0])
+    return found
 
 
 def _heavy_keys(node: ir.Node) -> tuple[set[str], set[str]]:
@@ -136,9 +141,7 @@ def _heavy_keys(node: ir.Node) -> tuple[set[str], set[str]]:
     for value in node.inputs[1:] if node.op_type != "MatMul" else node.inputs:
         params |= _source_names(value)
     outputs = {v.name for v in node.outputs if v.name}
-    fused = _fused_consumer_output(node)
-    if fused is not None and fused.name:
-        outputs.add(fused.name)
+    outputs |= {value.name for value in _fused_consumer_outputs(node) if value.name}
     return params, outputs
 
 
@@ -155,6 +158,8 @@ def match_optimized(heavy: ir.Node, optimized: Sequence[onnx.NodeProto]) -> onnx
     candidates = [n for n in optimized if _is_compute_candidate(n)]
     params, outputs = _heavy_keys(heavy)
     by_name = [n for n in candidates if heavy.name and base_name(n.name) == heavy.name]
+    # ORT's NCHWc layout names a Conv with constant float weights after its output ("c" -> "c_nchwc")
+    by_name += [n for n in candidates if base_name(n.name) in outputs and n.name.endswith("_nchwc")]
     # ORT renames a MatMulNBits weight "<name>_T" (transposed for the kernel).
     by_param = [n for n in candidates if params & ({*n.input} | {i[:-2] for i in n.input if i.endswith("_T")})]
     by_output = [n for n in candidates if outputs & set(n.output)]

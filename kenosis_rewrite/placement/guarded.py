@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from kenosis_rewrite.core import interleaved_timing, model_io
 from kenosis_rewrite.core.report import GUARD_UNDO_REASON, FixReport, Refusal
-from kenosis_rewrite.diagnosis.explain import float_kernels
+from kenosis_rewrite.diagnosis.explain import kernel_facts
 from kenosis_rewrite.errors import KenosisError
 from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY, guard_marks
 from kenosis_rewrite.placement import speed_check
@@ -311,26 +311,30 @@ def with_float_kernel_steps(
     (:mod:`.passes.float_kernel_weights`), then reading float inputs where their quantizer serves
     nothing else (:mod:`.passes.float_kernel_inputs`), each step kept where the guard accepts it too.
     ``loaded`` and ``report`` are updated in place, and the output proto is returned. Asking ORT which
-    ops run in float costs a session, so this runs once, on what the guard accepted, not in each of its
-    retries."""
+    ops run in float costs a session, so this runs on what the guard accepted, not in each of its
+    retries; ORT is asked again before the second step, because float weights change what it runs: a
+    BatchNormalization between a Conv and its quantizer folds into float weights, and ORT then
+    quantizes them itself into a QLinearConv (PP-OCRv3's text detector by NNCF: 10 Convs)."""
     if after is None or (guard is not None and guard.unavailable):
         return after
-    try:
-        float_ops = float_kernels(loaded.model)
-    except KenosisError:  # ORT cannot optimize the model: nothing known about its kernels
-        return after
-    if not float_ops:
-        return after
-    for step in (FloatKernelWeightsPass, FloatKernelInputsPass):
+    steps = (lambda facts, report: FloatKernelWeightsPass(facts.float_heavy, report),
+             lambda facts, report: FloatKernelInputsPass(facts.float_heavy, report, kept_quantizers=facts.kept_quantizers))
+    for step in steps:
+        try:
+            facts = kernel_facts(loaded.model)
+        except KenosisError:  # ORT cannot optimize the model: nothing known about its kernels
+            return after
+        if not facts.float_heavy:
+            return after
         trial_report = dataclasses.replace(report, changes=list(report.changes), refusals=list(report.refusals),
                                            notes=list(report.notes))
         trial = ir.serde.deserialize_model(after)
-        if not step(float_ops, trial_report)(trial).modified:
+        if not step(facts, trial_report)(trial).modified:
             continue
         problem = guard.violation(ir.serde.serialize_model(trial), trial_report) if guard is not None else None
         if problem is not None:
-            report.note(f"{step.rule_name}: not applied, the run-time guard found that {problem}")
+            report.note(f"{step(facts, None).rule_name}: not applied, the run-time guard found that {problem}")
             continue
-        step(float_ops, report)(loaded.model)
+        step(facts, report)(loaded.model)
         after = model_io.in_memory_proto(loaded.model)
     return after

@@ -74,15 +74,22 @@ def _float_readers(value: ir.Value, float_ops: frozenset[str], found: list[ir.No
     return True
 
 
-def _integer_source(value: ir.Value, float_ops: frozenset[str]) -> bool:
-    """Whether ORT may compute ``value`` (a quantizer's input) in an integer kernel with that quantizer."""
-    producer = value.producer()
+def _integer_source(quantize: ir.Node, float_ops: frozenset[str], kept_quantizers: frozenset[str] | None) -> bool:
+    """Whether ORT may compute the input of ``quantize`` in an integer kernel with it: it fused the Q
+    away (``kept_quantizers``: the Qs it runs on their own), or, by the graph alone, a heavy op it runs
+    integer (through a Relu/Clip it fuses in) or a QDQ node unit (activation inputs all dequantized)
+    computes it. Ops that only move or compare codes (MaxPool, Transpose) never count."""
+    producer = quantize.inputs[0].producer()
     while producer is not None and producer.op_type in op_tables.ORT_ABSORBED_ACTIVATIONS and producer.inputs:
         if producer.inputs[0] is None or len(producer.outputs[0].uses()) != 1:
             break
         producer = producer.inputs[0].producer()
     if producer is None or producer.op_type in op_tables.VALUE_SELECTING_OPS:  # moves or compares codes only
         return False
+    # ORT folds a BatchNormalization or a constant Add/Mul into a Conv with float weights and may then
+    # quantize them itself (a QLinearConv with this Q as its output): only ORT's graph tells
+    if kept_quantizers is not None and quantize.name and quantize.name not in kept_quantizers:
+        return True
     if producer.op_type in op_tables.WEIGHTED_OPS:
         return producer.name not in float_ops
     activations = [v for v in producer.inputs if v is not None and qdq_params.const_array(v) is None]
@@ -142,9 +149,12 @@ class FloatKernelInputsPass(ReportingPass):
 
     rule_name = RULE_NAME
 
-    def __init__(self, float_ops: Iterable[str], report=None):
+    def __init__(self, float_ops: Iterable[str], report=None, kept_quantizers: Iterable[str] | None = None):
+        """``float_ops``: the heavy ops ORT runs in float; ``kept_quantizers``: the QuantizeLinear nodes it
+        runs on their own (None: unknown, the graph alone decides), both by name, asked of ORT."""
         super().__init__(report)
         self.float_ops = frozenset(float_ops)
+        self.kept_quantizers = None if kept_quantizers is None else frozenset(kept_quantizers)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
@@ -170,7 +180,7 @@ class FloatKernelInputsPass(ReportingPass):
             if self.held(site, dequantize):
                 continue
             quantize, chain = round_trip
-            if _integer_source(quantize.inputs[0], self.float_ops):
+            if _integer_source(quantize, self.float_ops, self.kept_quantizers):
                 self.refused(site, "ORT may compute the quantizer's input in an integer kernel with it")
                 continue
             names = names or qdq_params.NameAllocator(model.graph)

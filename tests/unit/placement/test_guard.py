@@ -10,6 +10,7 @@ import pytest
 
 import kenosis_rewrite
 from kenosis_rewrite.core import fidelity
+from kenosis_rewrite.diagnosis.explain import KernelFacts
 from kenosis_rewrite.graph.rule_base import GUARD_HELD_KEY
 from kenosis_rewrite.placement import guard, guarded
 from kenosis_rewrite.testing.model_checks import outputs
@@ -116,14 +117,14 @@ def test_the_sites_the_guard_undid_are_marked_and_a_later_fix_holds_them(monkeyp
     qdq = _nncf_model()
     rule = "fold-affine-into-conv"
     # float weights for the Convs left float would keep them float in any later fix(), marks or not
-    monkeypatch.setattr(guarded, "float_kernels", lambda model: frozenset())
+    monkeypatch.setattr(guarded, "kernel_facts", lambda model: KernelFacts(frozenset(), frozenset()))
     _, unguarded = kenosis_rewrite.fix(qdq, return_report=True, verify=False)
     wheres = [c.where for c in unguarded.changes if c.rule == rule]
     bad = {wheres[1], wheres[-2]}
     _reject_sites(monkeypatch, rule, bad)
     fixed = kenosis_rewrite.fix(qdq)
     monkeypatch.undo()
-    monkeypatch.setattr(guarded, "float_kernels", lambda model: frozenset())
+    monkeypatch.setattr(guarded, "kernel_facts", lambda model: KernelFacts(frozenset(), frozenset()))
     marks = {n.name: p.value for n in fixed.graph.node for p in n.metadata_props if p.key == GUARD_HELD_KEY}
     assert len(marks) == 2 and set(marks.values()) == {rule}
     assert not any(p.key == GUARD_HELD_KEY for n in qdq.graph.node for p in n.metadata_props)  # input untouched
@@ -195,7 +196,7 @@ def _two_branch_model(seed: int, costly: str) -> onnx.ModelProto:
 @pytest.mark.parametrize("seed", range(4))
 def test_an_added_quantizer_that_costs_one_output_more_than_the_budget_is_undone_at_that_site_only(seed, monkeypatch):
     # the steps after the guard (float weights and inputs for the float heads) are tested on their own
-    monkeypatch.setattr(guarded, "float_kernels", lambda model: frozenset())
+    monkeypatch.setattr(guarded, "kernel_facts", lambda model: KernelFacts(frozenset(), frozenset()))
     costly = "ab"[seed % 2]
     cheap = "ba"[seed % 2]
     qdq = _two_branch_model(seed, costly)
