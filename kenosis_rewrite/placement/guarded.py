@@ -328,12 +328,12 @@ def with_float_kernel_steps(
             return after
         trial_report = dataclasses.replace(report, changes=list(report.changes), refusals=list(report.refusals),
                                            notes=list(report.notes))
-        trial = ir.serde.deserialize_model(after)
-        if not step(facts, trial_report)(trial).modified:
+        trial, trial_pass = ir.serde.deserialize_model(after), step(facts, trial_report)
+        if not trial_pass(trial).modified:
             continue
         problem = guard.violation(ir.serde.serialize_model(trial), trial_report) if guard is not None else None
         if problem is not None:
-            report.note(f"{step(facts, None).rule_name}: not applied, the run-time guard found that {problem}")
+            report.note(f"{trial_pass.rule_name}: not applied, the run-time guard found that {problem}")
             continue
         step(facts, report)(loaded.model)
         after = model_io.in_memory_proto(loaded.model)

@@ -5,8 +5,9 @@ Transformation, for an activation round trip ``DQ(Q(x))`` (the same parameters o
 only select elements may stand between Q and DQ, on the codes, and are then applied to ``x``) whose readers,
 directly or through ops that only select its elements (MaxPool, Transpose, Reshape, ...), are all
 Conv/ConvTranspose/MatMul/Gemm that ORT runs as float kernels, reading it as their data input, with
-float constant weights (``float-weights-for-float-kernels`` runs first) (which ops ORT runs in float
-it says, asked once by the caller: :func:`kenosis_rewrite.diagnosis.explain.float_kernels`)::
+float constant weights (``float-weights-for-float-kernels`` runs first; which ops ORT runs in float,
+and which quantizers it keeps on their own, the caller asks ORT after that step:
+:func:`kenosis_rewrite.diagnosis.explain.kernel_facts`)::
 
     x -> Q -> DQ -> MaxPool -> Conv(float kernel)   ==>   x -> MaxPool -> Conv(float kernel)
     x -> Q -> MaxPool -> DQ -> Conv(float kernel)   ==>   x -> MaxPool -> Conv(float kernel)
@@ -164,7 +165,6 @@ class FloatKernelInputsPass(ReportingPass):
             if not self._rewire_once(model):
                 break
             modified = True
-        remove_unused_nodes(model, modified)
         return ir.passes.PassResult(model, modified=modified)
 
     def _rewire_once(self, model: ir.Model) -> bool:
@@ -193,5 +193,5 @@ class FloatKernelInputsPass(ReportingPass):
             readers_named = ", ".join(sorted(reader.name for reader in readers))
             self.changed(site, f"ORT runs every reader of this quantized copy in float ({readers_named}): they read "
                          "the float tensor, without its rounding", exact=False, site=site)
-        remove_unused_nodes(model, modified)
+        remove_unused_nodes(model, modified)  # so that the next sweep sees the pairs before these unread
         return modified
